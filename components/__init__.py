@@ -1,0 +1,1 @@
+"""specline building blocks, importable without Ray, cut by concern (see DESIGN.md)."""

@@ -1,0 +1,268 @@
+"""Typed configuration for every specline stage.
+
+One dataclass schema per stage (target, data, drafter, train, eval, serve, tracking, ray),
+gathered in :class:`SpeclineConfig`. A config is loaded from ``conf/<name>.yaml`` plus
+``key=value`` overrides from the command line::
+
+    python -m pipelines.target conf=dspark.yaml target.tiny.train_steps=200
+
+Unknown keys and wrong types fail with a :class:`ConfigError` that names the key and the file
+it came from. This module knows nothing about models, Ray or MLflow: it only parses and checks.
+Stage issues add fields to their own section; every field has a default so a YAML file only
+says what differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = PROJECT_ROOT / "conf"
+EMBEDDED_TARGET = "embedded"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that says what to fix."""
+
+
+# ----------------------------------------------------------------------------- target
+@dataclass
+class TinyTargetConfig:
+    """The embedded default target that specline pretrains itself, offline."""
+
+    corpus_sources: list[str] = field(default_factory=lambda: ["shakespeare", "python_stdlib"])
+    corpus_max_chars: int = 4_000_000  # per source, after cleaning
+    heldout_fraction: float = 0.05  # share of documents reserved for evaluation
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_layers: int = 8
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 2048
+    seq_len: int = 256
+    batch_size: int = 16
+    train_steps: int = 600
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    eval_tokens: int = 65_536  # held-out tokens scored for perplexity
+    sample_count: int = 16  # sampled continuations for the distinct-4-gram ratio
+    sample_new_tokens: int = 96
+    seed: int = 0
+    num_threads: int = 0  # torch CPU threads for the build; 0 = all cores
+
+
+@dataclass
+class TargetConfig:
+    # "embedded" builds/uses the tiny default; otherwise a local HF directory or a hub id.
+    name_or_path: str = EMBEDDED_TARGET
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    cache_dir: str = "~/.cache/specline/targets"  # where built tiny targets are cached
+    tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
+
+
+# ----------------------------------------------------------------------------- stages
+@dataclass
+class DataConfig:
+    prompt_source: str = "embedded"  # embedded corpus train split, or a path to jsonl/parquet
+    max_prompts: int = 256
+    max_prompt_tokens: int = 128
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    output_dir: str = "${run_dir}/data"
+    mode: str = "shards"  # shards | stream
+
+
+@dataclass
+class DrafterConfig:
+    name: str = "dspark"  # key into the drafter registry
+    layer_ids: list[int] | None = None  # None: the drafter's default spread over target layers
+    num_layers: int = 1
+    block_size: int = 7
+    markov_rank: int = 32
+    enable_confidence_head: bool = True
+
+
+@dataclass
+class TrainConfig:
+    num_workers: int = 2
+    cpus_per_worker: float = 0.5
+    epochs: int = 1
+    batch_size: int = 8
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    loss: str = "dspark"
+    output_dir: str = "${run_dir}/train"
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    num_prompts: int = 32
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    baselines: list[str] = field(default_factory=lambda: ["target_only", "ngram"])
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_replicas: int = 1
+    max_ongoing_requests: int = 8
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    # None: a local sqlite store at <run_dir>/mlflow.db with artifacts in <run_dir>/mlartifacts.
+    tracking_uri: str | None = None
+    experiment: str = "specline"
+
+
+@dataclass
+class RayConfig:
+    # None: start a local Ray instance; "auto" or "ray://host:port" to join a cluster.
+    address: str | None = None
+    num_cpus: int | None = None  # local only; None = this machine's cores
+    object_store_memory_mb: int | None = 1024  # local only
+    include_dashboard: bool = False  # local only
+    disable_auth_locally: bool = True  # local/CI only: Ray 2.5x enables token auth by default
+
+
+@dataclass
+class SpeclineConfig:
+    run_dir: str = "runs"  # everything a run writes, relative to the working directory
+    seed: int = 0
+    stages: list[str] = field(default_factory=lambda: ["target"])  # run by pipelines.full
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+# ----------------------------------------------------------------------------- loading
+def available_confs(conf_dir: Path = CONF_DIR) -> list[str]:
+    """Names of the YAML files in the conf directory."""
+    return sorted(p.name for p in conf_dir.glob("*.yaml"))
+
+
+def resolve_conf_path(conf: str | Path) -> Path:
+    """A conf name (``dspark.yaml``, ``dspark``) or path → an existing file, or ConfigError."""
+    raw = Path(conf).expanduser()
+    candidates = [raw, CONF_DIR / raw]
+    if raw.suffix not in (".yaml", ".yml"):
+        candidates += [raw.with_suffix(".yaml"), CONF_DIR / raw.with_suffix(".yaml").name]
+    for path in candidates:
+        if path.is_file():
+            return path.resolve()
+    raise ConfigError(
+        f"conf file '{conf}' not found (looked in . and {CONF_DIR}); "
+        f"available: {', '.join(available_confs()) or 'none'}"
+    )
+
+
+def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError):
+        return ConfigError(f"{origin}: unknown key '{key}' (check the spelling; see components/config.py)")
+    if isinstance(err, ValidationError):
+        value = getattr(err, "value", None)
+        return ConfigError(f"{origin}: key '{key}' has a wrong type or value ({value!r}): {str(err.msg).splitlines()[0]}")
+    return ConfigError(f"{origin}: {err}")
+
+
+def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, layer)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise _explain(err, origin) from None
+
+
+def parse_overrides(overrides: Sequence[str]) -> DictConfig:
+    """``["train.lr=3e-4", ...]`` → a DictConfig; a malformed item names itself."""
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"command line: '{item}' is not a key=value override")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"command line: cannot parse overrides {list(overrides)}: {err}") from None
+
+
+def load(conf: str | Path | None = None, overrides: Sequence[str] = ()) -> SpeclineConfig:
+    """Schema defaults ← conf YAML ← overrides, checked against the schema."""
+    merged: DictConfig = OmegaConf.structured(SpeclineConfig)
+    if conf is not None:
+        path = resolve_conf_path(conf)
+        try:
+            file_cfg = OmegaConf.load(path)
+        except Exception as err:  # yaml errors carry line numbers in their text
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        merged = _merge(merged, file_cfg, str(path))
+    merged = _merge(merged, parse_overrides(overrides), "command line")
+    try:
+        OmegaConf.resolve(merged)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _explain(err, str(conf or "defaults")) from None
+    assert isinstance(cfg, SpeclineConfig)
+    return cfg
+
+
+def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Split ``conf=x.yaml a.b=c`` into the conf name and the remaining overrides."""
+    conf, rest = None, []
+    for arg in argv:
+        if arg.startswith("conf="):
+            conf = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return conf, rest
+
+
+def load_cli(argv: Sequence[str]) -> SpeclineConfig:
+    conf, overrides = parse_cli(argv)
+    return load(conf, overrides)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain nested dict of a config dataclass (for logging)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} → {"a.b": 1}; lists stay values."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def run_dir(cfg: SpeclineConfig) -> Path:
+    """The absolute run directory (created)."""
+    path = Path(cfg.run_dir).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,5 @@
+"""Targets: load any HF causal LM and capture its hidden states; build the embedded default."""
+
+from components.target.hf import Target, TargetError, TargetOutput, load_target, tokenizer_hash
+
+__all__ = ["Target", "TargetError", "TargetOutput", "load_target", "tokenizer_hash"]

@@ -1,0 +1,204 @@
+"""A target model: any Hugging Face causal LM, with hidden-state capture at chosen layers.
+
+Layer convention (DESIGN.md): ``layer i`` is the output of decoder layer i, 0-based, which is
+HF ``hidden_states[i + 1]``. Captures use forward hooks on the decoder layers, so the last
+layer is captured *before* the final norm and the target distribution can be recomputed from
+it with the frozen head: ``logits = lm_head(final_norm(h_last))``.
+
+This module knows how to load and run a target; it knows nothing about drafters, Ray or
+how the embedded default is built (it asks :mod:`components.target.tiny` for its path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from components.config import EMBEDDED_TARGET, TargetConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetError(ValueError):
+    """A target cannot be loaded or used as asked; the message says what to fix."""
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A stable fingerprint of a tokenizer's vocabulary and merges (16 hex chars)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        blob = backend.to_str()
+    else:
+        blob = json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise TargetError(f"target.dtype: '{name}' is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class TargetOutput:
+    logits: Tensor  # [B, T, V] next-token logits at every position
+    hidden: Tensor | None  # [B, T, n, H] outputs of the requested layers, in request order
+    last_hidden: Tensor  # [B, T, H] output of the last decoder layer, before the final norm
+    cache: Any  # the model's KV cache when use_cache=True, else None
+
+
+def _first_attr(obj: Any, names: Sequence[str]) -> Any:
+    for name in names:
+        if hasattr(obj, name):
+            return getattr(obj, name)
+    return None
+
+
+class Target:
+    """A frozen HF causal LM plus its tokenizer, as drafters and engines see it."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name_or_path: str):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name_or_path = name_or_path
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+        self.layers: nn.ModuleList = _first_attr(decoder, ("layers", "h", "blocks"))
+        self.final_norm: nn.Module = _first_attr(decoder, ("norm", "final_layernorm", "ln_f"))
+        if self.layers is None or self.final_norm is None:
+            raise TargetError(f"{name_or_path}: cannot find decoder layers / final norm in {type(model).__name__}")
+        self.embed_tokens: nn.Module = model.get_input_embeddings()
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        self.tokenizer_hash = tokenizer_hash(tokenizer)
+        # transformers 5.x names the KV-cache argument ``cache``; 4.x ``past_key_values``
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embed_tokens.weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def check_layer_ids(self, layer_ids: Sequence[int]) -> list[int]:
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise TargetError(
+                f"layer ids {bad} out of range for {self.name_or_path} ({self.num_layers} decoder "
+                f"layers: valid ids are 0..{self.num_layers - 1}, layer i = HF hidden_states[i+1])"
+            )
+        return list(layer_ids)
+
+    def embed(self, input_ids: Tensor) -> Tensor:  # [B, T] → [B, T, H]
+        return self.embed_tokens(input_ids)
+
+    def compute_logits(self, last_hidden: Tensor) -> Tensor:  # [..., H] pre-norm → [..., V]
+        return self.lm_head(self.final_norm(last_hidden))
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                layer_ids: Sequence[int] = (), cache: Any = None,
+                use_cache: bool = False, position_ids: Tensor | None = None) -> TargetOutput:
+        """One forward over ``input_ids`` [B, T], capturing the outputs of ``layer_ids``.
+
+        ``cache`` continues from an earlier call's ``TargetOutput.cache`` (positions follow it).
+        """
+        wanted = self.check_layer_ids(layer_ids)
+        captured: dict[int, Tensor] = {}
+        hooks = [
+            self.layers[i].register_forward_hook(self._capture(i, captured))
+            for i in sorted(set(wanted) | {self.num_layers - 1})
+        ]
+        try:
+            kwargs = {self._cache_kw: cache} if cache is not None else {}
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids, use_cache=use_cache or cache is not None,
+                             **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+        hidden = torch.stack([captured[i] for i in wanted], dim=2) if wanted else None
+        new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        return TargetOutput(out.logits, hidden, captured[self.num_layers - 1],
+                            new_cache if use_cache or cache is not None else None)
+
+    __call__ = forward
+
+    @staticmethod
+    def _capture(layer: int, store: dict[int, Tensor]):
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            store[layer] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+
+# ----------------------------------------------------------------------------- loading
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+
+
+def resolve_target_path(cfg: TargetConfig, progress: bool = True) -> str:
+    """The embedded default's cached checkpoint (built if missing), a local dir, or a hub id."""
+    if cfg.name_or_path == EMBEDDED_TARGET:
+        from components.target.tiny import ensure_tiny_target  # builds once, then cached
+
+        path, _, _ = ensure_tiny_target(cfg, progress=progress)
+        return str(path)
+    if _looks_like_path(cfg.name_or_path):
+        path = Path(cfg.name_or_path).expanduser()
+        if not (path / "config.json").is_file():
+            raise TargetError(
+                f"target.name_or_path: '{cfg.name_or_path}' is not a model directory "
+                "(no config.json there); give an HF checkpoint directory, a hub id, or 'embedded'"
+            )
+        return str(path.resolve())
+    return cfg.name_or_path
+
+
+def check_tokenizer_matches(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, where: str) -> None:
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise TargetError(
+            f"{where}: tokenizer has {len(tokenizer)} tokens but the model's embedding table has "
+            f"{rows} rows: the tokenizer does not belong to this model"
+        )
+
+
+def load_target(cfg: TargetConfig, progress: bool = True) -> Target:
+    """Loads the configured target (frozen, eval mode) on its configured device and dtype."""
+    path = resolve_target_path(cfg, progress)
+    dtype, device = resolve_dtype(cfg.dtype), resolve_device(cfg.device)
+    kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as err:
+        raise TargetError(f"target.name_or_path: cannot load '{path}': {str(err).splitlines()[0]}") from None
+    check_tokenizer_matches(model, tokenizer, path)
+    return Target(model.to(device), tokenizer, path)

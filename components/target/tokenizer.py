@@ -1,0 +1,61 @@
+"""BPE tokenizer of the embedded default target, trained with ``tokenizers``.
+
+Byte-level BPE (no unknown tokens), a fixed set of special tokens and a chat template, saved
+as an ordinary Hugging Face fast tokenizer so transformers and vLLM load it like any other.
+The mask token is a real vocabulary row reserved for block drafters (DFlash/DSpark).
+
+Knows nothing about the model or the corpus's origin: it takes an iterator of strings.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+BOS, EOS, PAD, MASK = "<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>"
+SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, MASK, SYSTEM, USER, ASSISTANT, END]
+
+# Each turn: <|role|>\n{content}<|end|>\n ; generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of ``vocab_size`` tokens (special tokens included) over ``texts``."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        mask_token=MASK,
+        additional_special_tokens=[SYSTEM, USER, ASSISTANT, END],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = 1 << 30
+    return fast
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """Ids that end a generation: end of document and end of a chat turn."""
+    return [tokenizer.convert_tokens_to_ids(t) for t in (EOS, END)]
