@@ -15,10 +15,12 @@ says what differs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -42,15 +44,15 @@ class TinyTargetConfig:
     vocab_size: int = 8192
     hidden_size: int = 256
     intermediate_size: int = 768
-    num_layers: int = 8
+    num_layers: int = 8  # 8 layers: a DSpark drafter taps 5 distinct layers (1..L-3)
     num_heads: int = 4
     num_kv_heads: int = 2
     max_position_embeddings: int = 2048
     seq_len: int = 256
-    batch_size: int = 16
-    train_steps: int = 600
+    batch_size: int = 8
+    train_steps: int = 260
     lr: float = 3e-3
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     weight_decay: float = 0.1
     eval_tokens: int = 65_536  # held-out tokens scored for perplexity
     sample_count: int = 16  # sampled continuations for the distinct-4-gram ratio
@@ -74,23 +76,67 @@ class TargetConfig:
 # ----------------------------------------------------------------------------- stages
 @dataclass
 class DataConfig:
-    prompt_source: str = "embedded"  # embedded corpus train split, or a path to jsonl/parquet
+    """Stage ``data``: prompts → target rollouts → hidden-state records (shards or a stream)."""
+
+    # Prompts. "embedded": the embedded target's training split (chat + document prefixes);
+    # a .jsonl/.json/.parquet path (prompts or ShareGPT/UltraChat conversations); or
+    # "hf:<local dataset dir or hub id>[:split]" (hub only when online).
+    prompt_source: str = "embedded"
+    embedded_kinds: list[str] = field(default_factory=lambda: ["chat", "text"])  # chat | text
+    text_prompt_tokens: int = 48  # document-prefix prompts: this many tokens of a document
     max_prompts: int = 256
-    max_prompt_tokens: int = 128
+    min_prompt_tokens: int = 1  # shorter (e.g. empty) prompts are skipped and counted
+    max_prompt_tokens: int = 128  # longer prompts are skipped and counted
+    # Rollouts: the target regenerates every response (its own distribution).
+    backend: str = "transformers"  # transformers | vllm (GPU clusters; imported lazily)
     max_new_tokens: int = 128
-    temperature: float = 0.0
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0  # per-prompt seeds derive from this and the prompt id
+    batch_size: int = 8  # prompts per generation batch inside an actor
+    num_actors: int = 1  # Ray Data actors, each holding one copy of the target
+    cpus_per_actor: float = 0.5
+    gpus_per_actor: float = 0.0  # 1 on GPU clusters
+    torch_threads: int = 1  # torch CPU threads inside each actor
+    # Records.
+    mode: str = "shards"  # shards (written to output_dir) | stream (a Ray Dataset, never on disk)
+    storage: str = "float16"  # float16 | float32 | int8 (per-row absmax scales)
+    format: str = "parquet"  # parquet (tensor columns) | safetensors (one file per sample)
+    shard_size: int = 32  # records per shard
     output_dir: str = "${run_dir}/data"
-    mode: str = "shards"  # shards | stream
+    log_samples: int = 8  # rollouts logged to MLflow as text
 
 
 @dataclass
 class DrafterConfig:
-    name: str = "dspark"  # key into the drafter registry
+    """Drafter architecture. ``None`` sizes are copied from the target's config at build time;
+    the resolved values are what a checkpoint's config.json records."""
+
+    name: str = "dspark"  # key into the drafter registry (components/drafters/registry.py)
+    # Target layers read, as outputs of decoder layer i (0-based) = HF hidden_states[i+1].
     layer_ids: list[int] | None = None  # None: the drafter's default spread over target layers
-    num_layers: int = 1
-    block_size: int = 7
-    markov_rank: int = 32
-    enable_confidence_head: bool = True
+    num_taps: int = 5  # DSpark/DFlash: how many target layers are fused when layer_ids is None
+    num_layers: int | None = None  # draft decoder layers; None: the drafter's default
+    intermediate_size: int | None = None  # None: copied from the target
+    num_heads: int | None = None  # None: copied from the target
+    num_kv_heads: int | None = None  # None: copied from the target
+    head_dim: int | None = None  # None: copied from the target
+    mask_token_id: int | None = None  # None: the tokenizer's mask token (block drafters)
+    block_size: int = 7  # DSpark/DFlash: anchor + (block_size - 1) masks
+    # Block readout: True = every slot k predicts anchor+k+1 (DeepSpec, block_size drafts);
+    # False = slots 1.. predict anchor+k (z-lab DFlash / vLLM dflash, block_size-1 drafts);
+    # None = the drafter's default (DSpark True, DFlash False).
+    sample_from_anchor: bool | None = None
+    markov_head: str = "linear"  # DSpark causal head: linear | rnn | none
+    markov_rank: int = 32  # rank r of the Markov transition W1[x]·W2 (256 for real targets)
+    enable_confidence_head: bool = True  # DSpark: π_k = σ(wᵀ[z_k; W1[x_{k-1}]])
+    num_anchors: int = 64  # block drafters: anchors sampled per training sequence
+    ttt_steps: int = 3  # EAGLE-3 training-time-test unroll depth (drafts per training row)
+    medusa_heads: int = 4  # Medusa: γ residual heads
+    medusa_layers: int = 1  # Medusa: residual blocks per head
+    mtp_depth: int = 1  # MTP: sequential modules (reused beyond the depth)
+    num_drafts: int | None = None  # sequential drafters: default γ per round (None: ttt/heads/depth)
+    store_shared: bool = False  # also store frozen copies of embedding + LM head in checkpoints
 
 
 @dataclass
@@ -211,7 +257,7 @@ def load(conf: str | Path | None = None, overrides: Sequence[str] = ()) -> Specl
         path = resolve_conf_path(conf)
         try:
             file_cfg = OmegaConf.load(path)
-        except Exception as err:  # yaml errors carry line numbers in their text
+        except (OSError, yaml.YAMLError) as err:  # yaml errors carry line numbers in their text
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         merged = _merge(merged, file_cfg, str(path))
     merged = _merge(merged, parse_overrides(overrides), "command line")

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from components.config import SpeclineConfig, flatten, run_dir, to_dict, to_yaml
 
@@ -27,7 +28,7 @@ def is_rank_zero() -> bool:
         import ray.train
 
         return ray.train.get_context().get_world_rank() == 0
-    except Exception:  # not inside a Ray Train worker
+    except Exception:  # noqa: BLE001 -- not inside a Ray Train worker (error type varies by version)
         return int(os.environ.get("RANK", "0")) == 0
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from components.config import ConfigError, SpeclineConfig, load_cli
 from components.target.corpus import CorpusError

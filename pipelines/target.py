@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from components.config import EMBEDDED_TARGET, SpeclineConfig, to_dict
+from components.config import EMBEDDED_TARGET, SpeclineConfig
 from components.target import load_target
 from components.target.tiny import ensure_tiny_target
 from components.tracking import Tracker
@@ -35,7 +35,7 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     """Returns ``{"target_path", "tokenizer_hash", "num_layers", ...}`` for later stages."""
     built_now, info = False, None
     if cfg.target.name_or_path == EMBEDDED_TARGET:
-        path, info, built_now = ensure_tiny_target(cfg.target, progress=True)
+        _, info, built_now = ensure_tiny_target(cfg.target, progress=True)
     target = load_target(cfg.target, progress=True)
     summary = {
         "target_path": target.name_or_path,

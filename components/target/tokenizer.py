@@ -9,7 +9,7 @@ Knows nothing about the model or the corpus's origin: it takes an iterator of st
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast

@@ -3,7 +3,14 @@ from pathlib import Path
 import pytest
 
 from components.config import (
-    ConfigError, SpeclineConfig, available_confs, flatten, load, load_cli, parse_cli, to_dict,
+    ConfigError,
+    SpeclineConfig,
+    available_confs,
+    flatten,
+    load,
+    load_cli,
+    parse_cli,
+    to_dict,
 )
 
 

@@ -15,9 +15,8 @@ def _client(cfg: SpeclineConfig) -> MlflowClient:
 def test_parent_and_nested_runs_with_config_logged(tmp_path: Path):
     cfg = SpeclineConfig(run_dir=str(tmp_path / "runs"))
     tracker = Tracker(cfg)
-    with tracker.run("pipeline") as parent_id:
-        with tracker.run("target") as child_id:
-            tracker.log_metrics({"x": 1.5, "skipped": "text"})
+    with tracker.run("pipeline") as parent_id, tracker.run("target") as child_id:
+        tracker.log_metrics({"x": 1.5, "skipped": "text"})
     assert tracking_uri(cfg) == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
     client = _client(cfg)
     parent, child = client.get_run(parent_id), client.get_run(child_id)

@@ -8,7 +8,6 @@ from mlflow.tracking import MlflowClient
 from pipelines import full, target
 
 
-
 def _conf(tmp_path: Path, tiny_target_cfg, stages: list[str]) -> Path:
     """A conf file pointing at the session's fixture target (already built and cached)."""
     from dataclasses import asdict
@@ -45,7 +44,7 @@ def test_full_pipeline_nests_stage_runs_under_the_pipeline_run(tmp_path, tiny_ta
 
     assert main(full.run, "pipeline", [f"conf={_conf(tmp_path, tiny_target_cfg, ['target'])}"]) == 0
     result = json.loads(capsys.readouterr().out)
-    client, runs = _runs(tmp_path)
+    _, runs = _runs(tmp_path)
     by_name = {r.info.run_name: r for r in runs}
     assert set(by_name) == {"pipeline", "target"}
     assert by_name["target"].data.tags["mlflow.parentRunId"] == by_name["pipeline"].info.run_id

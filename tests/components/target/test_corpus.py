@@ -3,7 +3,13 @@ from pathlib import Path
 import pytest
 
 from components.target.corpus import (
-    CorpusError, Document, conversations, is_heldout, load_documents, speeches, split_documents,
+    CorpusError,
+    Document,
+    conversations,
+    is_heldout,
+    load_documents,
+    speeches,
+    split_documents,
 )
 
 PLAY = """ACT 1
