@@ -84,12 +84,12 @@ class DataConfig:
     prompt_source: str = "embedded"
     embedded_kinds: list[str] = field(default_factory=lambda: ["chat", "text"])  # chat | text
     text_prompt_tokens: int = 48  # document-prefix prompts: this many tokens of a document
-    max_prompts: int = 256
+    max_prompts: int = 128  # small default: the embedded run finishes in minutes on 2 CPU cores
     min_prompt_tokens: int = 1  # shorter (e.g. empty) prompts are skipped and counted
     max_prompt_tokens: int = 128  # longer prompts are skipped and counted
     # Rollouts: the target regenerates every response (its own distribution).
     backend: str = "transformers"  # transformers | vllm (GPU clusters; imported lazily)
-    max_new_tokens: int = 128
+    max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0  # per-prompt seeds derive from this and the prompt id

@@ -1,0 +1,50 @@
+"""Drafters: one module per family behind one interface (base.py), registered by name.
+
+The trainer and the engine use only :class:`Drafter` methods and :func:`build_drafter` /
+:func:`load_drafter`; they never branch on a drafter's name. Importing this package registers
+the built-in families (dspark, dflash, eagle3, medusa, mtp).
+"""
+
+from components.drafters import dflash, dspark, eagle3, medusa, mtp  # noqa: F401  (registration)
+from components.drafters.base import (
+    LAYER_ID_CONVENTION,
+    DraftBatch,
+    Drafter,
+    DrafterError,
+    DrafterSpec,
+    DraftState,
+    DraftTrainOutput,
+    Proposal,
+    SharedParts,
+    TargetInfo,
+    spread_layer_ids,
+)
+from components.drafters.checkpoint import load_drafter, save_drafter
+from components.drafters.registry import (
+    DRAFTERS,
+    build_drafter,
+    drafter_class,
+    register_drafter,
+    resolve_spec,
+)
+
+__all__ = [
+    "DRAFTERS",
+    "LAYER_ID_CONVENTION",
+    "DraftBatch",
+    "DraftState",
+    "DraftTrainOutput",
+    "Drafter",
+    "DrafterError",
+    "DrafterSpec",
+    "Proposal",
+    "SharedParts",
+    "TargetInfo",
+    "build_drafter",
+    "drafter_class",
+    "load_drafter",
+    "register_drafter",
+    "resolve_spec",
+    "save_drafter",
+    "spread_layer_ids",
+]

@@ -1,0 +1,294 @@
+"""The one drafter interface that the trainer and the engine use, and the data it exchanges.
+
+A drafter reads target hidden states at ``layer_ids`` (layer i = output of decoder layer i,
+0-based = HF ``hidden_states[i+1]``), shares the target's frozen embedding table and LM head
+(never registered as its own parameters), and proposes ``γ`` tokens per round.
+
+Engine protocol, for a sequence whose tokens ``x_0..x_{n-1}`` are verified and whose target
+hidden states exist for ``x_0..x_{n-2}`` (the last token, the bonus/recovered one, has not been
+through the target yet)::
+
+    state = drafter.init_state(B)
+    state = drafter.consume(state, tokens[:, :n-1], hidden[:, :n-1])  # context grows to n-1
+    prop  = drafter.propose(state, last_token=x[:, n-1])              # drafts x_n .. x_{n+γ-1}
+    ... verify, then consume the newly verified positions (or rollback(state, accepted_len)
+    after consuming speculative ones).
+
+Trainer protocol: ``drafter.training_forward(DraftBatch) -> DraftTrainOutput`` whose
+``loss_inputs()`` is exactly what :mod:`components.losses` consumes. Draft j of a block anchored
+at position a always predicts token ``x_{a+j+1}``; its target distribution is the frozen head on
+the target's last hidden state at ``a+j``.
+
+This module knows nothing about particular drafter families, checkpoints files or engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from components.config import DrafterConfig
+from components.drafters.layers import KV, LayerSizes
+from components.losses.common import LossInputs
+from components.spec.sampling import SamplingParams, probs_from_logits
+
+DEFAULT_SAMPLING = SamplingParams()  # temperature 1, no top-k/top-p
+LAYER_ID_CONVENTION = "layer i = output of decoder layer i (0-based) = HF hidden_states[i+1]"
+
+
+class DrafterError(ValueError):
+    """A drafter cannot be built, loaded or used as asked; the message names what differs."""
+
+
+# ----------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a drafter must know about its target to refuse a different one."""
+
+    name_or_path: str
+    tokenizer_hash: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, target: Any) -> TargetInfo:
+        return cls(str(target.name_or_path), str(target.tokenizer_hash), int(target.hidden_size),
+                   int(target.vocab_size), int(target.num_layers))
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A fully resolved drafter architecture: no None sizes, layer ids and mask id fixed."""
+
+    config: DrafterConfig  # every optional field filled in
+    sizes: LayerSizes  # draft decoder layer sizes
+    target: TargetInfo
+
+
+@dataclass
+class SharedParts:
+    """Frozen target parts a drafter borrows; kept outside its parameters and checkpoints."""
+
+    embed_tokens: nn.Module  # [V, H] embedding table
+    lm_head: nn.Module  # H -> V
+    final_norm: nn.Module  # the target's final norm (target logits from last hidden states)
+
+    @classmethod
+    def of(cls, target: Any) -> SharedParts:
+        return cls(target.embed_tokens, target.lm_head, target.final_norm)
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass
+class DraftBatch:
+    """One training batch, as the data stage stores it."""
+
+    input_ids: Tensor  # [B, T] long
+    hidden: Tensor  # [B, T, n, H] target taps at drafter.layer_ids, in that order
+    last_hidden: Tensor  # [B, T, H] output of the target's last layer, before the final norm
+    loss_mask: Tensor | None = None  # [B, T] bool: the token at t is supervised (None: all)
+    anchors: Tensor | None = None  # [B, A] long anchor positions, -1 = unused (None: drafter picks)
+
+
+@dataclass
+class DraftTrainOutput:
+    """What the losses consume: N blocks of γ drafts; draft j of block n predicts x_{a_n+j+1}."""
+
+    draft_logits: Tensor  # [N, γ, V] the drafter's logits (after any causal head)
+    target_logits: Tensor  # [N, γ, V] frozen head on the target's last hidden states, detached
+    target_tokens: Tensor  # [N, γ] long, the data tokens (0 where invalid)
+    valid: Tensor  # [N, γ] bool, truncated at the first invalid position of each block
+    confidence_logits: Tensor | None = None  # [N, γ] confidence head logits c_k
+
+    def loss_inputs(self, position_weights: Tensor | None = None) -> LossInputs:
+        return LossInputs(self.draft_logits, self.target_logits, self.target_tokens, self.valid,
+                          position_weights, self.confidence_logits)
+
+
+@dataclass
+class DraftState:
+    """A batch's drafter context: everything is per committed position, so rollback = crop."""
+
+    length: int = 0  # committed context positions (tokens 0..length-1 consumed)
+    kv: list[KV] = field(default_factory=list)  # per attention layer: k, v [B, h_kv, length, d]
+    feats: Tensor | None = None  # [B, length, F] per-position features a drafter keeps
+
+
+@dataclass
+class Proposal:
+    """One round's draft (verifier vocabulary: these are the draft tokens)."""
+
+    tokens: Tensor  # [B, γ] long, draft tokens x_n .. x_{n+γ-1}
+    logits: Tensor  # [B, γ, V] drafter logits each token was sampled from (before processing)
+    probs: Tensor  # [B, γ, V] q: the processed distribution each token was sampled from
+    confidences: Tensor | None = None  # [B, γ] σ(c_k): P(draft k accepted | prefix accepted)
+
+
+# ----------------------------------------------------------------------------- helpers
+def sample_tokens(
+    logits: Tensor,  # [B, ..., V]
+    sampling: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:  # tokens [B, ...] long, probs [B, ..., V]
+    """Draws one token per row from the processed distribution (greedy rows take the argmax)."""
+    probs = probs_from_logits(logits, sampling)
+    flat = probs.reshape(-1, probs.shape[-1])
+    tokens = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    return tokens, probs
+
+
+def block_targets(
+    batch: DraftBatch,
+    anchors: Tensor,  # [B, A] long, -1 = unused
+    gamma: int,
+    shared: SharedParts,
+) -> tuple[Tensor, Tensor, Tensor]:  # target logits [N, γ, V], tokens [N, γ], valid [N, γ]
+    """Targets of blocks anchored at ``anchors``: draft j predicts x_{a+j+1}."""
+    b, t = batch.input_ids.shape
+    pos = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(gamma, device=anchors.device)  # [B, A, γ]
+    nxt = pos + 1
+    inside = (nxt < t) & (anchors >= 0).unsqueeze(-1)
+    nxt_c, pos_c = nxt.clamp_max(t - 1), pos.clamp_max(t - 1)
+    loss_mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
+    valid = inside & torch.gather(loss_mask.bool(), 1, nxt_c.view(b, -1)).view_as(nxt)
+    valid = torch.cumprod(valid.to(torch.int32), dim=-1).bool()
+    tokens = torch.gather(batch.input_ids, 1, nxt_c.view(b, -1)).view_as(nxt)
+    tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
+    h = torch.gather(batch.last_hidden, 1, pos_c.view(b, -1, 1).expand(-1, -1, batch.last_hidden.shape[-1]))
+    with torch.no_grad():
+        target_logits = shared.lm_head(shared.final_norm(h))  # [B, A*γ, V]
+    v = target_logits.shape[-1]
+    return target_logits.view(-1, gamma, v), tokens.view(-1, gamma), valid.view(-1, gamma)
+
+
+def rows_at_anchors(
+    per_position: Tensor,  # [B, T, γ, V] drafts of the block anchored at every position
+    batch: DraftBatch,
+    default: Tensor,  # [B, A] anchors used when batch.anchors is None
+    shared: SharedParts,
+) -> DraftTrainOutput:
+    """Keeps the blocks at ``batch.anchors`` (or ``default``) and attaches their targets."""
+    anchors = batch.anchors if batch.anchors is not None else default
+    gamma, v = per_position.shape[2:]
+    draft = gather_positions(per_position, anchors).reshape(-1, gamma, v)
+    target_logits, tokens, valid = block_targets(batch, anchors, gamma, shared)
+    return DraftTrainOutput(draft, target_logits, tokens, valid, None)
+
+
+def gather_positions(x: Tensor, positions: Tensor) -> Tensor:
+    """x [B, T, ...] at positions [B, ...] (clamped into range) → [B, ..., rest of x]."""
+    b, t = x.shape[:2]
+    idx = positions.clamp(0, t - 1).reshape(b, -1)
+    rest = x.shape[2:]
+    out = torch.gather(x, 1, idx.view(b, -1, *([1] * len(rest))).expand(-1, -1, *rest))
+    return out.view(*positions.shape, *rest)
+
+
+# ----------------------------------------------------------------------------- interface
+class Drafter(nn.Module, ABC):
+    """The interface. Subclasses register with ``@register_drafter(name)`` in registry.py."""
+
+    registry_name: str = ""  # set by @register_drafter
+    default_num_layers: int = 1
+    default_sample_from_anchor: bool = True
+
+    def __init__(self, spec: DrafterSpec, shared: SharedParts):
+        super().__init__()
+        self.spec = spec
+        self.cfg = spec.config
+        self.sizes = spec.sizes
+        self._shared = [shared]  # a list: not registered as submodules, never saved
+
+    @property
+    def shared(self) -> SharedParts:
+        return self._shared[0]
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.cfg.layer_ids or [])
+
+    @property
+    def num_drafts(self) -> int:
+        """γ: draft tokens per round by default."""
+        return int(self.cfg.num_drafts or 1)
+
+    @staticmethod
+    def default_layer_ids(num_target_layers: int, cfg: DrafterConfig) -> list[int]:
+        return spread_layer_ids(num_target_layers, cfg.num_taps)
+
+    @staticmethod
+    def default_num_drafts(cfg: DrafterConfig) -> int:
+        """γ when the config leaves ``num_drafts`` unset."""
+        return 1
+
+    # -- what subclasses implement
+    @abstractmethod
+    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> DraftTrainOutput:
+        """Teacher-forced drafts for the losses (all blocks of the batch)."""
+
+    @abstractmethod
+    def consume(self, state: DraftState, tokens: Tensor, hidden: Tensor) -> DraftState:
+        """Appends verified positions: tokens [B, T] long, their target taps hidden [B, T, n, H]."""
+
+    @abstractmethod
+    def propose(self, state: DraftState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
+                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
+        """Drafts after ``last_token`` [B] (at position state.length); the state is unchanged."""
+
+    @abstractmethod
+    def sequential_passes(self, gamma: int) -> int:
+        """Dependent drafter network passes one round of γ drafts costs (heads excluded)."""
+
+    # -- shared behaviour
+    def init_state(self, batch_size: int) -> DraftState:
+        return DraftState()
+
+    def rollback(self, state: DraftState, length: int) -> DraftState:
+        """The state as it was when ``length`` positions were committed (crops every tensor)."""
+        if not 0 <= length <= state.length:
+            raise DrafterError(f"rollback to {length} outside the committed context 0..{state.length}")
+        kv = [(k[:, :, :length], v[:, :, :length]) for k, v in state.kv]
+        feats = state.feats[:, :length] if state.feats is not None else None
+        return DraftState(length, kv, feats)
+
+    def num_parameters(self) -> int:
+        """Trainable parameters, excluding the target's shared frozen parts."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    def embed(self, ids: Tensor) -> Tensor:  # [B, ...] long -> [B, ..., H]
+        return self.shared.embed_tokens(ids)
+
+    def lm_head(self, h: Tensor) -> Tensor:  # [..., H] -> [..., V]
+        return self.shared.lm_head(h)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.cfg.name, "layer_ids": self.layer_ids, "parameters": self.num_parameters(),
+                "num_drafts": self.num_drafts, "sequential_passes": self.sequential_passes(self.num_drafts)}
+
+
+def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """DFlash's spread: round(1 + i(L-4)/(n-1)) (layers 1..L-3); [L//2] for n = 1.
+
+    Targets too shallow for n distinct layers in 1..L-3 use 0..L-2 instead, with fewer taps.
+    """
+    L = num_target_layers
+    if n == 1:
+        return [L // 2]
+    lo, hi = 1, L - 3
+    if hi - lo + 1 < n:
+        lo, hi = 0, max(0, L - 2)
+    n = min(n, hi - lo + 1)
+    if n == 1:
+        return [lo]
+    return sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)})
+
+
+def resolved(cfg: DrafterConfig, **values: Any) -> DrafterConfig:
+    """A copy of cfg with the given fields filled in."""
+    return dataclasses.replace(cfg, **values)

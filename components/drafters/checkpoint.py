@@ -1,0 +1,171 @@
+"""Drafter checkpoints: an HF-style directory (config.json + model.safetensors), no pickle.
+
+config.json is flat: every :class:`DrafterConfig` field as resolved (layer ids, mask token id,
+sizes...), the layer sizes copied from the target (hidden size, RoPE θ, RMSNorm ε), the layer-id
+convention, and the target it was trained for (model id, tokenizer hash, hidden size, vocabulary,
+layer count). The shared frozen embedding/LM head are stored only with ``store_shared``.
+
+Loading refuses, with a message that names every difference, a different target (hidden size,
+vocabulary, tokenizer hash, layer count), unknown config keys, and missing, unexpected or
+misshapen weights. Writes go to a temporary sibling directory renamed into place.
+Knows nothing about training state (optimizer, step): that is the trainer's checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from components.config import DrafterConfig
+from components.drafters.base import (
+    LAYER_ID_CONVENTION,
+    Drafter,
+    DrafterError,
+    DrafterSpec,
+    TargetInfo,
+)
+from components.drafters.layers import LayerSizes
+from components.drafters.registry import build_from_spec
+
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+_TARGET_FIELDS = {  # config.json key -> (TargetInfo field, what it is called in errors)
+    "target_hidden_size": ("hidden_size", "hidden size"),
+    "target_vocab_size": ("vocab_size", "vocabulary size"),
+    "target_tokenizer_hash": ("tokenizer_hash", "tokenizer hash"),
+    "num_target_layers": ("num_layers", "layer count"),
+}
+_SIZE_FIELDS = ("hidden_size", "rope_theta", "rms_norm_eps")
+_META_FIELDS = ("architectures", "model_type", "specline_format_version", "layer_id_convention",
+                "target_model_id", "torch_dtype")
+
+
+def drafter_config_json(drafter: Drafter) -> dict[str, Any]:
+    """The flat config.json of a drafter."""
+    spec = drafter.spec
+    out: dict[str, Any] = {
+        "architectures": [type(drafter).__name__],
+        "model_type": "specline_drafter",
+        "specline_format_version": FORMAT_VERSION,
+        "layer_id_convention": LAYER_ID_CONVENTION,
+        "target_model_id": spec.target.name_or_path,
+        "torch_dtype": str(next(drafter.parameters()).dtype).removeprefix("torch."),
+    }
+    out.update(dataclasses.asdict(spec.config))
+    out.update({k: getattr(spec.sizes, k) for k in _SIZE_FIELDS})
+    out.update({key: getattr(spec.target, f) for key, (f, _) in _TARGET_FIELDS.items()})
+    return out
+
+
+def save_drafter(drafter: Drafter, path: str | Path) -> Path:
+    """Writes ``path``/config.json and model.safetensors atomically (temp dir, then rename)."""
+    path = Path(path).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    if drafter.cfg.store_shared:
+        tensors["embed_tokens.weight"] = drafter.shared.embed_tokens.weight.detach().contiguous().cpu()
+        tensors["lm_head.weight"] = drafter.shared.lm_head.weight.detach().contiguous().cpu()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(drafter_config_json(drafter), indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "specline"})
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    file = Path(path).expanduser() / "config.json"
+    if not file.is_file():
+        raise DrafterError(f"{path}: not a drafter checkpoint (no config.json)")
+    return json.loads(file.read_text())
+
+
+def check_target(raw: dict[str, Any], target: Any, where: str) -> None:
+    """Raises naming every field where the checkpoint's target and ``target`` differ."""
+    actual = TargetInfo.of(target)
+    diffs = [f"{label}: checkpoint {raw.get(key)!r}, target {getattr(actual, f)!r}"
+             for key, (f, label) in _TARGET_FIELDS.items() if raw.get(key) != getattr(actual, f)]
+    if diffs:
+        raise DrafterError(
+            f"{where}: drafter was trained for another target ({raw.get('target_model_id')}), "
+            f"not {actual.name_or_path}: " + "; ".join(diffs)
+        )
+
+
+def spec_from_config(raw: dict[str, Any], where: str) -> DrafterSpec:
+    names = {f.name for f in dataclasses.fields(DrafterConfig)}
+    known = names | set(_SIZE_FIELDS) | set(_META_FIELDS) | set(_TARGET_FIELDS)
+    unknown = sorted(set(raw) - known)
+    missing = sorted((names | set(_SIZE_FIELDS) | set(_TARGET_FIELDS)) - set(raw))
+    if unknown or missing:
+        raise DrafterError(f"{where}: config.json has unknown fields {unknown} and lacks fields {missing}")
+    cfg = DrafterConfig(**{k: raw[k] for k in names})
+    sizes = LayerSizes(raw["hidden_size"], cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                       cfg.head_dim, raw["rope_theta"], raw["rms_norm_eps"])
+    target = TargetInfo(raw.get("target_model_id", ""), raw["target_tokenizer_hash"], raw["target_hidden_size"],
+                        raw["target_vocab_size"], raw["num_target_layers"])
+    return DrafterSpec(cfg, sizes, target)
+
+
+def _check_shared(tensors: dict[str, torch.Tensor], target: Any, where: str) -> None:
+    """Stored frozen copies must equal the target's own embedding / LM head."""
+    own = {"embed_tokens.weight": target.embed_tokens.weight, "lm_head.weight": target.lm_head.weight}
+    for key in SHARED_KEYS:
+        if key in tensors:
+            mine = own[key].detach().cpu().to(tensors[key].dtype)
+            if tensors[key].shape != mine.shape or not torch.equal(tensors[key], mine):
+                raise DrafterError(f"{where}: stored {key} differs from the target's")
+            del tensors[key]
+
+
+def check_weights(drafter: Drafter, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Raises naming missing, unexpected and misshapen weights."""
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    shapes = [f"{k}: checkpoint {tuple(tensors[k].shape)}, drafter {tuple(expected[k].shape)}"
+              for k in sorted(set(expected) & set(tensors)) if tensors[k].shape != expected[k].shape]
+    problems = []
+    if missing:
+        problems.append(f"missing weights {missing}")
+    if unexpected:
+        problems.append(f"unexpected weights {unexpected}")
+    if shapes:
+        problems.append("shape mismatch " + "; ".join(shapes))
+    if problems:
+        raise DrafterError(f"{where}: " + ", ".join(problems))
+
+
+def load_drafter(path: str | Path, target: Any) -> Drafter:
+    """A drafter from a checkpoint directory, bound to ``target``'s shared embedding/LM head."""
+    where = str(path)
+    raw = read_config(path)
+    check_target(raw, target, where)
+    spec = spec_from_config(raw, where)
+    drafter = build_from_spec(spec, target)
+    file = Path(path).expanduser() / WEIGHTS
+    if not file.is_file():
+        raise DrafterError(f"{where}: no {WEIGHTS}")
+    tensors = load_file(str(file))
+    _check_shared(tensors, target, where)
+    check_weights(drafter, tensors, where)
+    drafter.load_state_dict(tensors, strict=True)
+    return drafter

@@ -1,0 +1,194 @@
+"""DFlash: a parallel block drafter; also the backbone that DSpark extends.
+
+Backbone (reference/dspark-dflash-facts.md §1): the target taps [B, T, n, H] are fused by
+``fc`` (n·H → H) + ``hidden_norm`` once; every draft layer projects the fused context with its
+own k/v proj (+ k_norm, RoPE at absolute positions) and its block queries attend to
+[context keys < anchor position ‖ the whole block, bidirectionally]. A block is
+[last verified token, mask × (block_size − 1)] at positions anchor + 0..block_size−1, embedded
+with the target's frozen table; the drafter's own ``norm`` then the shared LM head give logits.
+One backbone pass drafts a whole block.
+
+Readout layout (``sample_from_anchor``): True (DeepSpec) = slot k predicts x_{anchor+k+1},
+γ = block_size; False (z-lab / vLLM ``dflash``, DFlash's default) = slots 1.. predict
+x_{anchor+k}, γ = block_size − 1. Either way draft j predicts x_{anchor+j+1}.
+
+Inference keeps only committed context K/V (``DraftState.kv``); block K/V never persist, so
+rollback is a crop. Knows nothing about losses, verification or engines.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from components.config import DrafterConfig
+from components.drafters.base import (
+    DEFAULT_SAMPLING,
+    DraftBatch,
+    Drafter,
+    DrafterError,
+    DrafterSpec,
+    DraftState,
+    DraftTrainOutput,
+    Proposal,
+    SharedParts,
+    block_targets,
+    gather_positions,
+    sample_tokens,
+)
+from components.drafters.layers import KV, DecoderLayer, LayerSizes, RMSNorm, init_weights
+from components.drafters.registry import register_drafter
+from components.spec.sampling import SamplingParams
+
+
+class BlockBackbone(nn.Module):
+    """fc + hidden_norm fusion, decoder layers with context K/V, final norm."""
+
+    def __init__(self, sizes: LayerSizes, num_taps: int, num_layers: int):
+        super().__init__()
+        h = sizes.hidden_size
+        self.fc = nn.Linear(num_taps * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, sizes.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(sizes) for _ in range(num_layers))
+        self.norm = RMSNorm(h, sizes.rms_norm_eps)
+
+    def context_kv(self, hidden: Tensor, positions: Tensor) -> list[KV]:
+        """Per-layer context K/V [B, h_kv, T, d] from taps hidden [B, T, n, H] at positions [B, T]."""
+        fused = self.hidden_norm(self.fc(hidden.flatten(2)))
+        return [layer.self_attn.project_kv(fused, positions) for layer in self.layers]
+
+    def forward(
+        self,
+        x: Tensor,  # [B, Q, H] embedded block tokens
+        positions: Tensor,  # [B, Q] absolute positions
+        context: list[KV],  # per layer k, v [B, h_kv, S, d]; [] = no context
+        mask: Tensor | None,  # [B, 1, Q, S + Q] bool, or None = attend to everything
+    ) -> Tensor:  # [B, Q, H] final-normed block states z
+        for i, layer in enumerate(self.layers):
+            x, _ = layer(x, positions, context[i] if context else None, mask)
+        return self.norm(x)
+
+
+def block_attention_mask(anchors: Tensor, block_size: int, context_len: int) -> Tensor:
+    """[B, 1, A·bs, S + A·bs] bool: a block's queries see context < its anchor and its own block."""
+    b, a = anchors.shape
+    dev = anchors.device
+    block_of = torch.arange(a, device=dev).repeat_interleave(block_size)  # [A·bs]
+    anchor_q = anchors.clamp_min(0).repeat_interleave(block_size, dim=1)  # [B, A·bs]
+    ctx = torch.arange(context_len, device=dev).view(1, 1, -1) < anchor_q.unsqueeze(-1)  # [B, Q, S]
+    own = (block_of.view(-1, 1) == block_of.view(1, -1)).expand(b, -1, -1)  # [B, Q, Q]
+    return torch.cat([ctx, own], dim=-1).unsqueeze(1)
+
+
+def sample_anchors(
+    loss_mask: Tensor,  # [B, T] bool
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+) -> Tensor:  # [B, A] long, sorted, -1 = unused
+    """Uniform anchors a without replacement among positions whose next token is supervised."""
+    b, t = loss_mask.shape
+    cand = loss_mask[:, 1:].bool()  # anchor a predicts x_{a+1} first
+    a = min(num_anchors, t - 1)
+    scores = torch.rand(b, t - 1, generator=generator, device=loss_mask.device)
+    scores = torch.where(cand, scores, torch.full_like(scores, -1.0))
+    top, idx = scores.topk(a, dim=1)
+    idx = torch.where(top >= 0, idx, torch.full_like(idx, t))  # unused sort last
+    idx = idx.sort(dim=1).values
+    return torch.where(idx < t, idx, torch.full_like(idx, -1))
+
+
+@register_drafter("dflash")
+class DFlashDrafter(Drafter):
+    """DFlash: the block backbone with independent (parallel) sampling of every slot."""
+
+    default_num_layers = 5
+    default_sample_from_anchor = False
+
+    def __init__(self, spec: DrafterSpec, shared: SharedParts):
+        super().__init__(spec, shared)
+        if self.cfg.mask_token_id is None:
+            raise DrafterError(f"drafter '{self.cfg.name}' needs a mask token: set drafter.mask_token_id "
+                               "or use a tokenizer with a mask token")
+        if self.cfg.block_size < 2:
+            raise DrafterError(f"drafter.block_size must be >= 2, got {self.cfg.block_size}")
+        self.backbone = BlockBackbone(self.sizes, len(self.layer_ids), int(self.cfg.num_layers))
+        init_weights(self)
+
+    @staticmethod
+    def default_num_drafts(cfg: DrafterConfig) -> int:
+        return cfg.block_size - (0 if cfg.sample_from_anchor else 1)
+
+    @property
+    def first_slot(self) -> int:
+        return 0 if self.cfg.sample_from_anchor else 1
+
+    @property
+    def block_drafts(self) -> int:
+        return self.cfg.block_size - self.first_slot
+
+    def sequential_passes(self, gamma: int) -> int:
+        return math.ceil(gamma / self.block_drafts)
+
+    # ---------------------------------------------------------------- training
+    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> DraftTrainOutput:
+        b, t = batch.input_ids.shape
+        loss_mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
+        anchors = batch.anchors if batch.anchors is not None else sample_anchors(loss_mask, self.cfg.num_anchors, generator)
+        positions = torch.arange(t, device=anchors.device).expand(b, t)
+        context = self.backbone.context_kv(batch.hidden.to(self.backbone.fc.weight.dtype), positions)
+        z = self._train_blocks(batch.input_ids, anchors, context, t)  # [B, A, bs, H]
+        gamma = self.block_drafts
+        z = z[:, :, self.first_slot:].reshape(-1, gamma, z.shape[-1])  # [N, γ, H]
+        prev_pos = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(gamma, device=anchors.device)
+        prev = gather_positions(batch.input_ids, prev_pos).reshape(-1, gamma)  # [N, γ] x_{a+j}
+        logits, conf = self.train_readout(z, prev)
+        target_logits, tokens, valid = block_targets(batch, anchors, gamma, self.shared)
+        return DraftTrainOutput(logits, target_logits, tokens, valid, conf)
+
+    def _train_blocks(self, input_ids: Tensor, anchors: Tensor, context: list[KV], t: int) -> Tensor:
+        """Every anchor's block in one backbone pass → z [B, A, bs, H]."""
+        b, a = anchors.shape
+        bs = self.cfg.block_size
+        anchor_tok = gather_positions(input_ids, anchors)
+        anchor_tok = torch.where(anchors >= 0, anchor_tok, torch.full_like(anchor_tok, self.cfg.mask_token_id))
+        ids = torch.full((b, a, bs), int(self.cfg.mask_token_id), dtype=torch.long, device=input_ids.device)
+        ids[:, :, 0] = anchor_tok
+        positions = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(bs, device=anchors.device)
+        mask = block_attention_mask(anchors, bs, t)
+        z = self.backbone(self.embed(ids.view(b, a * bs)), positions.view(b, a * bs), context, mask)
+        return z.view(b, a, bs, -1)
+
+    def train_readout(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
+        """z [N, γ, H], previous tokens prev [N, γ] → logits [N, γ, V], confidence [N, γ] | None."""
+        return self.lm_head(z), None
+
+    # ---------------------------------------------------------------- inference
+    def consume(self, state: DraftState, tokens: Tensor, hidden: Tensor) -> DraftState:
+        b, t = tokens.shape
+        positions = state.length + torch.arange(t, device=tokens.device).expand(b, t)
+        new = self.backbone.context_kv(hidden.to(self.backbone.fc.weight.dtype), positions)
+        if state.kv:
+            new = [(torch.cat([k0, k], 2), torch.cat([v0, v], 2)) for (k0, v0), (k, v) in zip(state.kv, new)]
+        return DraftState(state.length + t, new, None)
+
+    def propose(self, state: DraftState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
+                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
+        gamma = num_drafts or self.block_drafts
+        if gamma > self.block_drafts:
+            raise DrafterError(f"{self.cfg.name} drafts at most {self.block_drafts} tokens per block, asked {gamma}")
+        b, bs = last_token.shape[0], self.cfg.block_size
+        ids = torch.full((b, bs), int(self.cfg.mask_token_id), dtype=torch.long, device=last_token.device)
+        ids[:, 0] = last_token
+        positions = state.length + torch.arange(bs, device=ids.device).expand(b, bs)
+        z = self.backbone(self.embed(ids), positions, state.kv, None)
+        z = z[:, self.first_slot:self.first_slot + gamma]  # [B, γ, H]
+        return self.sample_readout(z, last_token, sampling, generator)
+
+    def sample_readout(self, z: Tensor, last_token: Tensor, sampling: SamplingParams,
+                       generator: torch.Generator | None) -> Proposal:
+        """z [B, γ, H], last_token [B] → a proposal; DFlash samples every slot independently."""
+        logits = self.lm_head(z)
+        tokens, probs = sample_tokens(logits, sampling, generator)
+        return Proposal(tokens, logits, probs, None)

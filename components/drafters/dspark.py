@@ -1,0 +1,144 @@
+"""DSpark (the default drafter): the DFlash backbone plus a light causal head and a confidence head.
+
+Heads (reference/dspark-dflash-facts.md §2):
+
+* Markov (``markov_head="linear"``): a low-rank transition bias ``W2(W1[x_{k-1}])`` added to the
+  backbone logits ``lm_head(z_k)``; W1 = ``markov_w1`` [V, r], W2 = ``markov_w2`` (r → V).
+  Training is teacher-forced and parallel (previous ids = [anchor, x_{a+1}, ...]); inference
+  samples left to right, slot 0 conditioned on the anchor (the last verified token).
+* RNN (``markov_head="rnn"``): a gated state s_k over the drafted tokens:
+  [g, c, o] = joint_proj([s_{k-1}; W1[x_{k-1}]; z_k]), s_k = σ(g)s_{k-1} + (1−σ(g))tanh(c),
+  bias = W2(tanh(o)); unrolled along the block in training too.
+* Confidence: c_k = wᵀ[z_k; W1[x_{k-1}]] + b, π_k = σ(c_k), the conditional probability that
+  draft k is accepted given its prefix was.
+
+Default layout: sample_from_anchor=True, so a block of 7 gives 7 drafts (slot k → x_{a+k+1}).
+Knows nothing about the loss weights or the draft-length scheduler.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from components.drafters.base import DrafterError, DrafterSpec, Proposal, SharedParts, sample_tokens
+from components.drafters.dflash import DFlashDrafter
+from components.drafters.layers import init_weights
+from components.drafters.registry import register_drafter
+from components.spec.sampling import SamplingParams
+
+HEAD_TYPES = ("linear", "rnn", "none")
+
+
+class MarkovHead(nn.Module):
+    """bias(z_k, x_{k-1}) = W2(W1[x_{k-1}]); stateless, so training is parallel."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def prev_embed(self, prev: Tensor) -> Tensor:  # [...] long -> [..., r]
+        return self.markov_w1(prev)
+
+    def teacher_forced(self, z: Tensor, prev: Tensor) -> Tensor:  # [N, γ, H], [N, γ] -> [N, γ, V]
+        return self.markov_w2(self.markov_w1(prev))
+
+    def step(self, z: Tensor, prev: Tensor, carry: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """z [B, H], prev [B] → bias [B, V], carry (unused)."""
+        return self.markov_w2(self.markov_w1(prev)), carry
+
+
+class RNNHead(MarkovHead):
+    """A gated recurrent state over the block's previous tokens."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+        super().__init__(vocab_size, hidden_size, rank)
+        self.rank = rank
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    def step(self, z: Tensor, prev: Tensor, carry: Tensor | None) -> tuple[Tensor, Tensor]:
+        """z [B, H], prev [B], carry s [B, r] | None → bias [B, V], new s [B, r]."""
+        e = self.markov_w1(prev)
+        s = carry if carry is not None else z.new_zeros(z.shape[0], self.rank)
+        g, c, o = self.joint_proj(torch.cat([s, e, z], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(g)
+        s = gate * s + (1 - gate) * torch.tanh(c)
+        return self.markov_w2(torch.tanh(o)), s
+
+    def teacher_forced(self, z: Tensor, prev: Tensor) -> Tensor:  # [N, γ, H], [N, γ] -> [N, γ, V]
+        carry, out = None, []
+        for j in range(z.shape[1]):
+            bias, carry = self.step(z[:, j], prev[:, j], carry)
+            out.append(bias)
+        return torch.stack(out, dim=1)
+
+
+class ConfidenceHead(nn.Module):
+    """c_k = proj([z_k; W1[x_{k-1}]]) (the W1 part only with a causal head)."""
+
+    def __init__(self, hidden_size: int, rank: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size + rank, 1)
+
+    def forward(self, z: Tensor, prev_emb: Tensor | None) -> Tensor:  # [..., H], [..., r] -> [...]
+        x = z if prev_emb is None else torch.cat([z, prev_emb], dim=-1)
+        return self.proj(x).squeeze(-1)
+
+
+@register_drafter("dspark")
+class DSparkDrafter(DFlashDrafter):
+    """DFlash backbone + Markov/RNN causal head + confidence head."""
+
+    default_num_layers = 5
+    default_sample_from_anchor = True
+
+    def __init__(self, spec: DrafterSpec, shared: SharedParts):
+        super().__init__(spec, shared)
+        kind, rank = self.cfg.markov_head, int(self.cfg.markov_rank)
+        if kind not in HEAD_TYPES:
+            raise DrafterError(f"drafter.markov_head: '{kind}' is not one of {HEAD_TYPES}")
+        if kind != "none" and rank <= 0:
+            raise DrafterError(f"drafter.markov_rank must be > 0 for markov_head='{kind}', got {rank}")
+        vocab, hidden = spec.target.vocab_size, self.sizes.hidden_size
+        head_cls = {"linear": MarkovHead, "rnn": RNNHead}.get(kind)
+        self.markov_head = head_cls(vocab, hidden, rank) if head_cls is not None else None
+        conf_rank = rank if self.markov_head is not None else 0
+        self.confidence_head = ConfidenceHead(hidden, conf_rank) if self.cfg.enable_confidence_head else None
+        for module in (self.markov_head, self.confidence_head):
+            if module is not None:
+                init_weights(module)
+
+    def _confidence(self, z: Tensor, prev: Tensor) -> Tensor | None:  # [..., H], [...] -> [...]
+        if self.confidence_head is None:
+            return None
+        prev_emb = self.markov_head.prev_embed(prev) if self.markov_head is not None else None
+        return self.confidence_head(z, prev_emb)
+
+    def train_readout(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
+        """z [N, γ, H], prev [N, γ] (anchor then data tokens) → logits [N, γ, V], c [N, γ]."""
+        logits = self.lm_head(z)
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.teacher_forced(z, prev)
+        return logits, self._confidence(z, prev)
+
+    def sample_readout(self, z: Tensor, last_token: Tensor, sampling: SamplingParams,
+                       generator: torch.Generator | None) -> Proposal:
+        """Left-to-right sampling: draft k's bias reads the token drafted at k−1."""
+        base = self.lm_head(z)  # [B, γ, V] one backbone pass already done
+        prev, carry = last_token, None
+        tokens, logits, probs, conf = [], [], [], []
+        for j in range(z.shape[1]):
+            logit_j = base[:, j]
+            if self.markov_head is not None:
+                bias, carry = self.markov_head.step(z[:, j], prev, carry)
+                logit_j = logit_j + bias
+            c = self._confidence(z[:, j], prev)
+            tok, p = sample_tokens(logit_j, sampling, generator)
+            tokens.append(tok)
+            logits.append(logit_j)
+            probs.append(p)
+            conf.append(torch.sigmoid(c) if c is not None else None)
+            prev = tok
+        confidences = torch.stack(conf, dim=1) if conf[0] is not None else None
+        return Proposal(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1), confidences)

@@ -1,0 +1,102 @@
+"""Medusa: γ residual heads on the target's last hidden state.
+
+Head k (0-based) maps the target's final-normed last hidden state h at position a−1 through
+``medusa_layers`` residual blocks (x + SiLU(Wx + b), weights zero-initialised so every head
+starts as the target's own head) and the shared LM head; it predicts x_{a+k+1}, i.e. the token
+k+2 steps after h (the target's own head already gave x_a, the last verified token). Heads are
+independent: the last token is not an input. Weight names follow vLLM's Medusa
+(``blocks.{k}.layers.{j}``). Knows nothing about tree verification.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from components.config import DrafterConfig
+from components.drafters.base import (
+    DEFAULT_SAMPLING,
+    DraftBatch,
+    Drafter,
+    DrafterError,
+    DrafterSpec,
+    DraftState,
+    DraftTrainOutput,
+    Proposal,
+    SharedParts,
+    rows_at_anchors,
+    sample_tokens,
+)
+from components.drafters.eagle3 import shift_right
+from components.drafters.registry import register_drafter
+from components.spec.sampling import SamplingParams
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, hidden_size: int, num_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+@register_drafter("medusa")
+class MedusaDrafter(Drafter):
+    default_num_layers = 1
+
+    def __init__(self, spec: DrafterSpec, shared: SharedParts):
+        super().__init__(spec, shared)
+        h = self.sizes.hidden_size
+        self.blocks = nn.ModuleList(ResidualBlock(h, int(self.cfg.medusa_layers)) for _ in range(self.cfg.medusa_heads))
+
+    @staticmethod
+    def default_layer_ids(num_target_layers: int, cfg: DrafterConfig) -> list[int]:
+        return [num_target_layers - 1]
+
+    @staticmethod
+    def default_num_drafts(cfg: DrafterConfig) -> int:
+        return cfg.medusa_heads
+
+    def sequential_passes(self, gamma: int) -> int:
+        return 1  # all heads read the same hidden state at once
+
+    def _normed(self, hidden: Tensor) -> Tensor:  # [B, T, n, H] -> [B, T, H] final-normed last tap
+        return self.shared.final_norm(hidden[:, :, -1]).to(self.blocks[0].layers[0].weight.dtype)
+
+    def _heads(self, h: Tensor, gamma: int) -> Tensor:  # [..., H] -> [..., γ, V]
+        if gamma > len(self.blocks):
+            raise DrafterError(f"medusa has {len(self.blocks)} heads, asked for {gamma} drafts")
+        return torch.stack([self.lm_head(block(h)) for block in self.blocks[:gamma]], dim=-2)
+
+    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> DraftTrainOutput:
+        b, t = batch.input_ids.shape
+        gamma = len(self.blocks)
+        h = shift_right(self._normed(batch.hidden))  # row a reads h_{a-1}; row 0 has none
+        if batch.anchors is None:
+            batch = dataclasses.replace(batch, anchors=torch.arange(1, t, device=h.device).expand(b, t - 1))
+        out = rows_at_anchors(self._heads(h, gamma), batch, batch.anchors, self.shared)
+        out.valid &= (batch.anchors >= 1).reshape(-1, 1)
+        return out
+
+    def consume(self, state: DraftState, tokens: Tensor, hidden: Tensor) -> DraftState:
+        feats = self._normed(hidden)
+        if state.feats is not None:
+            feats = torch.cat([state.feats, feats], 1)
+        return DraftState(state.length + tokens.shape[1], [], feats)
+
+    def propose(self, state: DraftState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
+                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
+        if state.feats is None:
+            raise DrafterError("medusa needs at least one consumed position before proposing")
+        logits = self._heads(state.feats[:, -1], num_drafts or self.num_drafts)  # [B, γ, V]
+        tokens, probs = sample_tokens(logits, sampling, generator)
+        return Proposal(tokens, logits, probs, None)

@@ -1,0 +1,100 @@
+"""Drafters by name: the only place that maps a config's ``name`` to a class.
+
+``build_drafter(cfg, target)`` resolves every optional field of a :class:`DrafterConfig` against
+the target (layer ids, sizes copied from the target's HF config, mask token id, γ) and builds
+the drafter with the target's frozen embedding/LM head. Adding a drafter = one module with a
+``@register_drafter("name")`` class, imported in ``components/drafters/__init__.py``.
+This module knows nothing about any family's internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from components.config import DrafterConfig
+from components.drafters.base import (
+    Drafter,
+    DrafterError,
+    DrafterSpec,
+    SharedParts,
+    TargetInfo,
+    resolved,
+)
+from components.drafters.layers import LayerSizes
+
+DRAFTERS: dict[str, type[Drafter]] = {}
+
+
+def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
+    def add(cls: type[Drafter]) -> type[Drafter]:
+        if name in DRAFTERS and DRAFTERS[name] is not cls:
+            raise DrafterError(f"drafter '{name}' registered twice ({DRAFTERS[name].__name__}, {cls.__name__})")
+        DRAFTERS[name] = cls
+        cls.registry_name = name
+        return cls
+    return add
+
+
+def drafter_class(name: str) -> type[Drafter]:
+    if name not in DRAFTERS:
+        raise DrafterError(f"drafter.name: unknown drafter '{name}'; registered: {', '.join(sorted(DRAFTERS))}")
+    return DRAFTERS[name]
+
+
+def _rope_theta(tcfg: Any) -> float:
+    params = getattr(tcfg, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(tcfg, "rope_theta", 10000.0))
+
+
+def layer_sizes(cfg: DrafterConfig, target: Any) -> LayerSizes:
+    """Draft layer sizes: the config's overrides, else the target's own."""
+    tcfg = target.model.config
+    heads = cfg.num_heads or int(tcfg.num_attention_heads)
+    head_dim = cfg.head_dim or getattr(tcfg, "head_dim", None) or target.hidden_size // heads
+    return LayerSizes(
+        hidden_size=int(target.hidden_size),
+        intermediate_size=int(cfg.intermediate_size or tcfg.intermediate_size),
+        num_heads=int(heads),
+        num_kv_heads=int(cfg.num_kv_heads or getattr(tcfg, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        rope_theta=_rope_theta(tcfg),
+        rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
+    )
+
+
+def resolve_spec(cfg: DrafterConfig, target: Any) -> DrafterSpec:
+    """Every None of cfg filled from the drafter's defaults and the target."""
+    cls = drafter_class(cfg.name)
+    layer_ids = list(cfg.layer_ids) if cfg.layer_ids is not None else cls.default_layer_ids(target.num_layers, cfg)
+    bad = [i for i in layer_ids if not 0 <= i < target.num_layers]
+    if bad or not layer_ids:
+        raise DrafterError(
+            f"drafter.layer_ids {layer_ids}: {bad or 'none'} out of range for a target with "
+            f"{target.num_layers} layers (valid 0..{target.num_layers - 1}; layer i = HF hidden_states[i+1])"
+        )
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(target.tokenizer, "mask_token_id", None)
+    full = resolved(
+        cfg,
+        layer_ids=layer_ids,
+        num_layers=cfg.num_layers or cls.default_num_layers,
+        sample_from_anchor=cls.default_sample_from_anchor if cfg.sample_from_anchor is None else cfg.sample_from_anchor,
+        mask_token_id=mask_id,
+    )
+    sizes = layer_sizes(cfg, target)
+    full = resolved(full, num_drafts=cfg.num_drafts or cls.default_num_drafts(full),
+                    intermediate_size=sizes.intermediate_size, num_heads=sizes.num_heads,
+                    num_kv_heads=sizes.num_kv_heads, head_dim=sizes.head_dim)
+    return DrafterSpec(full, sizes, TargetInfo.of(target))
+
+
+def build_from_spec(spec: DrafterSpec, target: Any) -> Drafter:
+    drafter = drafter_class(spec.config.name)(spec, SharedParts.of(target))
+    return drafter.to(device=target.device, dtype=target.dtype)
+
+
+def build_drafter(cfg: DrafterConfig, target: Any) -> Drafter:
+    """A freshly initialised drafter for ``target`` (the trainer's entry point)."""
+    return build_from_spec(resolve_spec(cfg, target), target)

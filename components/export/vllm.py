@@ -1,0 +1,204 @@
+"""Drafter checkpoints in the layouts vLLM loads: "speculators" and the native (HF) layouts.
+
+Layouts written (field and weight names from reference/ecosystem-notes.md):
+
+* eagle3 — native: Llama config, ``architectures: ["LlamaForCausalLMEagle3"]``, ``midlayer.*``;
+  speculators: ``speculators_model_type: "eagle3"``, ``layers.0.*``. Both carry ``fc.weight``
+  [H, 3·H_t], ``norm.weight``, a copy of the target's ``lm_head.weight`` and identity ``d2t``
+  (int64 offsets, all 0) / ``t2d`` (bool, all True): the draft vocabulary is the full one.
+* dflash / dspark — native: ``architectures: ["DFlashDraftModel"|"DSparkDraftModel"]``,
+  ``dflash_config: {mask_token_id, target_layer_ids, ...}``; speculators: ``speculators_model_type``
+  ``"dflash"|"dspark"``, ``aux_hidden_state_layer_ids``. Weights ``fc``, ``hidden_norm``, ``norm``,
+  ``layers.{i}.*`` (+ ``markov_head.*``, ``confidence_head.*``); embedding/LM head shared.
+* medusa — native: ``architectures: ["MedusaModel"]``, ``blocks.{k}.layers.{j}``, ``lm_heads.{k}``.
+
+Layer ids are translated from specline's convention (layer i = output of decoder layer i):
+vLLM EAGLE-3 aux ids name the layer whose *input* is captured (i+1); the speculators DFlash/
+DSpark ``aux_hidden_state_layer_ids`` are HF hidden_states indices (i+1; vLLM subtracts 1);
+native DFlash ``target_layer_ids`` use our convention unchanged.
+Dispatch is a table keyed by registry name: no other code branches on drafter names. MTP has
+no vLLM layout for Qwen3-style standalone modules and is refused with that message.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from components.drafters.base import Drafter, DrafterError
+
+Tensors = dict[str, torch.Tensor]
+LAYOUTS = ("speculators", "native")
+MARKOV_TYPES = {"linear": "vanilla", "rnn": "rnn", "none": None}  # specline -> DeepSpec names
+NATIVE_ARCHS = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
+SPECULATOR_ARCHS = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}
+
+
+class ExportError(DrafterError):
+    """A drafter cannot be exported as asked; the message says what is supported."""
+
+
+# ----------------------------------------------------------------------------- shared pieces
+def layer_config(drafter: Drafter, target: Any, model_type: str) -> dict[str, Any]:
+    """The target's HF config with the draft layer sizes (an HF layer config for engines)."""
+    cfg = copy.deepcopy(target.model.config.to_dict())
+    s = drafter.sizes
+    cfg.update({
+        "model_type": model_type, "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+        "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads, "head_dim": s.head_dim,
+        "num_hidden_layers": int(drafter.cfg.num_layers), "rms_norm_eps": s.rms_norm_eps,
+        "rope_theta": s.rope_theta, "vocab_size": drafter.spec.target.vocab_size, "tie_word_embeddings": False,
+    })
+    for key in ("architectures", "auto_map", "_name_or_path", "transformers_version", "dtype", "torch_dtype",
+                "layer_types"):
+        cfg.pop(key, None)
+    return cfg
+
+
+def speculators_config(drafter: Drafter, target: Any, algorithm: str) -> dict[str, Any]:
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafter.num_drafts}],
+        "verifier": {"name_or_path": drafter.spec.target.name_or_path,
+                     "architectures": list(target.model.config.architectures or [])},
+    }
+
+
+def strip(tensors: Tensors, prefix: str) -> Tensors:
+    return {k.removeprefix(prefix): v for k, v in tensors.items()}
+
+
+def own_tensors(drafter: Drafter) -> Tensors:
+    return {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+
+
+def lm_head_copy(drafter: Drafter) -> torch.Tensor:
+    return drafter.shared.lm_head.weight.detach().contiguous().cpu().clone()
+
+
+# ----------------------------------------------------------------------------- families
+def eagle3_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, Any], Tensors]:
+    aux = [i + 1 for i in drafter.layer_ids]  # vLLM captures the input of layer i+1
+    vocab = drafter.spec.target.vocab_size
+    tensors = own_tensors(drafter)
+    tensors.update({"lm_head.weight": lm_head_copy(drafter), "d2t": torch.zeros(vocab, dtype=torch.int64),
+                    "t2d": torch.ones(vocab, dtype=torch.bool)})
+    layer = layer_config(drafter, target, "llama")
+    if layout == "native":
+        config = dict(layer, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+                      draft_vocab_size=vocab, target_hidden_size=drafter.spec.target.hidden_size,
+                      eagle_aux_hidden_state_layer_ids=aux)
+        return config, tensors
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in tensors.items()}
+    config = {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "speculators_config": speculators_config(drafter, target, "eagle3"),
+        "transformer_layer_config": dict(layer, num_hidden_layers=1), "draft_vocab_size": vocab,
+        "target_hidden_size": drafter.spec.target.hidden_size, "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": aux,
+    }
+    return config, tensors
+
+
+def block_fields(drafter: Drafter) -> dict[str, Any]:
+    """DSpark head fields; empty for a drafter without heads (DFlash)."""
+    if not hasattr(drafter, "markov_head"):
+        return {}
+    kind = MARKOV_TYPES[drafter.cfg.markov_head]
+    return {"markov_rank": int(drafter.cfg.markov_rank) if kind else 0, "markov_head_type": kind or "none",
+            "enable_confidence_head": drafter.confidence_head is not None,
+            "confidence_head_with_markov": kind is not None}
+
+
+def block_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, Any], Tensors]:
+    kind = drafter.registry_name  # "dflash" | "dspark": a name, not a branch
+    tensors = strip(own_tensors(drafter), "backbone.")
+    extra = block_fields(drafter)
+    common = {"block_size": int(drafter.cfg.block_size), "mask_token_id": int(drafter.cfg.mask_token_id),
+              "sample_from_anchor": bool(drafter.cfg.sample_from_anchor)}
+    if layout == "native":
+        config = dict(layer_config(drafter, target, "qwen3"),
+                      architectures=[NATIVE_ARCHS[kind]],
+                      num_target_layers=drafter.spec.target.num_layers, block_size=common["block_size"],
+                      dflash_config={"mask_token_id": common["mask_token_id"],
+                                     "target_layer_ids": drafter.layer_ids, **extra})
+        return config, tensors
+    config = {
+        "architectures": [SPECULATOR_ARCHS[kind]], "speculators_model_type": kind,
+        "speculators_config": speculators_config(drafter, target, kind),
+        "transformer_layer_config": layer_config(drafter, target, "qwen3"),
+        "aux_hidden_state_layer_ids": [i + 1 for i in drafter.layer_ids],  # vLLM: target ids = these − 1
+        "draft_vocab_size": drafter.spec.target.vocab_size,
+        "target_hidden_size": drafter.spec.target.hidden_size, **common, **extra,
+    }
+    return config, tensors
+
+
+def medusa_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, Any], Tensors]:
+    if layout != "native":
+        raise ExportError("medusa: only the native vLLM Medusa layout is written (layout='native')")
+    tensors = own_tensors(drafter)
+    heads = int(drafter.cfg.medusa_heads)
+    tensors.update({f"lm_heads.{k}.weight": lm_head_copy(drafter) for k in range(heads)})
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa",
+              "hidden_size": drafter.sizes.hidden_size, "vocab_size": drafter.spec.target.vocab_size,
+              "num_heads": heads, "num_hidden_layers": int(drafter.cfg.medusa_layers),
+              "truncated_vocab_size": None, "max_paths": 64, "topk": 10}
+    return config, tensors
+
+
+VLLM_EXPORTERS: dict[str, Callable[[Drafter, Any, str], tuple[dict[str, Any], Tensors]]] = {
+    "eagle3": eagle3_export, "dflash": block_export, "dspark": block_export, "medusa": medusa_export,
+}
+VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark", "medusa": "medusa"}
+
+
+# ----------------------------------------------------------------------------- writing
+def write_dir(path: str | Path, config: dict[str, Any], tensors: Tensors) -> Path:
+    """config.json + model.safetensors into a temp sibling, then renamed into place."""
+    path = Path(path).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt", "producer": "specline"})
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def vllm_export(drafter: Drafter, target: Any, layout: str = "speculators") -> tuple[dict[str, Any], Tensors]:
+    """(config.json dict, weights) of ``drafter`` in a vLLM layout, without writing anything."""
+    if layout not in LAYOUTS:
+        raise ExportError(f"vLLM layout '{layout}' is not one of {LAYOUTS}")
+    fn = VLLM_EXPORTERS.get(drafter.registry_name)
+    if fn is None:
+        raise ExportError(f"no vLLM layout for drafter '{drafter.registry_name}' "
+                          f"(exportable: {', '.join(sorted(VLLM_EXPORTERS))})")
+    return fn(drafter, target, layout)
+
+
+def export_vllm(drafter: Drafter, target: Any, path: str | Path, layout: str = "speculators") -> Path:
+    """Writes the drafter as a directory vLLM loads with ``speculative_config={"method":
+    vllm_method(drafter), "model": path, "num_speculative_tokens": drafter.num_drafts}``."""
+    config, tensors = vllm_export(drafter, target, layout)
+    return write_dir(path, config, tensors)
+
+
+def vllm_method(drafter: Drafter) -> str:
+    """The ``speculative_config.method`` for the exported drafter (set it: vLLM guesses otherwise)."""
+    return VLLM_METHODS[drafter.registry_name]
