@@ -13,11 +13,11 @@ from typing import Any
 
 from components.config import ConfigError, SpeclineConfig
 from components.tracking import Tracker
-from pipelines import target
+from pipelines import data, target
 from pipelines.cli import StageFn, main
 
 # Stage name → entry point. Later stages (data, train, eval, serve) register here.
-STAGES: dict[str, StageFn] = {"target": target.run}
+STAGES: dict[str, StageFn] = {"target": target.run, "data": data.run}
 
 
 def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,97 @@
+"""Benchmark of the data stage on a tiny target: rollout + hidden-state capture vs plain generate.
+
+    python bench/data.py conf=dspark.yaml [data.max_prompts=32 data.max_new_tokens=32 ...] [--ray]
+
+Same prompts, same run, same threads (``data.torch_threads``), greedy unless configured:
+
+- ``hf_generate``: a plain transformers ``model.generate`` loop over the prompts in batches of
+  ``data.batch_size`` (left-padded) — what a user would write without specline;
+- ``data_stage``: specline's :class:`Roller` in process (its own decoding loop with per-prompt
+  seeds, then one forward that captures the drafter's layers + last layer, encoded to storage);
+- ``--ray``: also the whole shards path under Ray Data (actor start-up, writes, manifest).
+
+Prints tokens/s (generated tokens) of each, the ratio data_stage / hf_generate, and the share
+of the data stage's time spent capturing hidden states. Nothing is asserted about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from components.config import load_cli
+from components.data.prompts import collect_prompts
+from components.data.rollout import Roller, left_pad
+from components.data.source import describe_target, record_meta
+
+
+@torch.no_grad()
+def hf_generate(roller: Roller, prompts, batch_size: int, max_new: int, temperature: float) -> int:
+    """Generated tokens of a plain ``model.generate`` loop (stop tokens count, padding not)."""
+    model, target = roller.target.model, roller.target
+    total = 0
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i:i + batch_size]
+        ids, mask = left_pad([p.input_ids for p in batch], roller.pad_id, target.device)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                             do_sample=temperature > 0, temperature=temperature or None, top_p=None,
+                             top_k=None, eos_token_id=roller.stop_ids, pad_token_id=roller.pad_id)
+        new = out[:, ids.shape[1]:]  # [B, N]
+        for row in new.tolist():
+            stop = next((k for k, t in enumerate(row) if t in roller.stop_ids), len(row) - 1)
+            total += stop + 1
+    return total
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ray", action="store_true", help="also time the shards path under Ray Data")
+    args, overrides = ap.parse_known_args(argv)
+    cfg = load_cli(overrides)
+    info = describe_target(cfg)
+    prompts, _ = collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)
+    roller = Roller(info.target_cfg, cfg.data, record_meta(cfg, info))
+    roller(prompts[:cfg.data.batch_size])  # warm up both paths
+    hf_generate(roller, prompts[:cfg.data.batch_size], cfg.data.batch_size, 4, cfg.data.temperature)
+    roller.seconds = {"generate": 0.0, "capture": 0.0}
+
+    t0 = time.perf_counter()
+    hf_tokens = hf_generate(roller, prompts, cfg.data.batch_size, cfg.data.max_new_tokens, cfg.data.temperature)
+    hf_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    records = roller(prompts)
+    ds_s = time.perf_counter() - t0
+    ds_tokens = sum(int(r.loss_mask.sum()) for r in records)
+    hf_tps, ds_tps = hf_tokens / hf_s, ds_tokens / ds_s
+    print(f"target: {info.num_layers} layers, hidden {info.hidden_size}; {len(prompts)} prompts, "
+          f"batch {cfg.data.batch_size}, max_new_tokens {cfg.data.max_new_tokens}, "
+          f"threads {torch.get_num_threads()}, storage {cfg.data.storage}")
+    print(f"hf_generate : {hf_tokens:6d} tokens in {hf_s:7.2f} s = {hf_tps:8.1f} tok/s")
+    print(f"data_stage  : {ds_tokens:6d} tokens in {ds_s:7.2f} s = {ds_tps:8.1f} tok/s "
+          f"(generate {roller.seconds['generate']:.2f} s, capture {roller.seconds['capture']:.2f} s)")
+    print(f"ratio data_stage/hf_generate = {ds_tps / hf_tps:.2f}x; "
+          f"capture share = {roller.seconds['capture'] / ds_s:.1%}")
+    if args.ray:
+        from components.cluster import init_ray
+        from components.data.build import build_shards
+
+        init_ray(cfg.ray)
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            m = build_shards(cfg, info, prompts, collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)[1], Path(tmp))
+            ray_s = time.perf_counter() - t0
+        rt = m["totals"]["response_tokens"]
+        print(f"ray_shards  : {rt:6d} tokens in {ray_s:7.2f} s = {rt / ray_s:8.1f} tok/s (actor start-up and "
+              f"writes included; {m['totals']['bytes_per_token']:.0f} bytes/token on disk)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,88 @@
+"""What the data stage needs to know about the target without loading its weights.
+
+Resolves the target path (building the embedded default if needed), reads its config and
+tokenizer, and derives the :class:`RecordMeta` that every record of this run carries: the
+drafter's layer ids (``drafter.layer_ids``, or the DSpark/DFlash default spread), the last
+layer, hidden size and storage dtype. Knows configs and tokenizers; nothing about Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from components.config import ConfigError, DataConfig, SpeclineConfig, TargetConfig, run_dir
+from components.data.records import STORAGE_DTYPES, RecordMeta
+from components.drafters import drafter_class
+
+
+class DataConfigError(ConfigError):
+    """A data-stage setting is invalid; the message names the field."""
+
+
+@dataclass
+class TargetInfo:
+    target_cfg: TargetConfig  # name_or_path resolved to a directory or hub id
+    tokenizer: Any
+    tokenizer_hash: str
+    num_layers: int
+    hidden_size: int
+    corpus_dir: Path | None  # the embedded target's directory (chat/ and corpus/ splits)
+
+
+def describe_target(cfg: SpeclineConfig, target_path: str | None = None) -> TargetInfo:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from components.target.hf import resolve_target_path, tokenizer_hash
+
+    path = target_path or resolve_target_path(cfg.target, progress=True)
+    kw = {"revision": cfg.target.revision, "trust_remote_code": cfg.target.trust_remote_code}
+    tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+    hf_cfg = AutoConfig.from_pretrained(path, **kw)
+    hf_cfg = getattr(hf_cfg, "text_config", None) or hf_cfg
+    local = Path(path)
+    return TargetInfo(dataclasses.replace(cfg.target, name_or_path=path), tokenizer, tokenizer_hash(tokenizer),
+                      int(hf_cfg.num_hidden_layers), int(hf_cfg.hidden_size),
+                      local if (local / "chat").is_dir() else None)
+
+
+def layer_ids(cfg: SpeclineConfig, num_layers: int) -> list[int]:
+    """The drafter's layer ids: configured, or its family's default for this target depth."""
+    ids = cfg.drafter.layer_ids
+    if ids is None:
+        ids = drafter_class(cfg.drafter.name).default_layer_ids(num_layers, cfg.drafter)
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise DataConfigError(f"drafter.layer_ids: {bad} out of range 0..{num_layers - 1} for this target")
+    return list(ids)
+
+
+def check_data_config(cfg: DataConfig) -> None:
+    checks = [("mode", cfg.mode, ("shards", "stream")), ("storage", cfg.storage, tuple(STORAGE_DTYPES)),
+              ("format", cfg.format, ("parquet", "safetensors")), ("backend", cfg.backend, ("transformers", "vllm"))]
+    for name, value, allowed in checks:
+        if value not in allowed:
+            raise DataConfigError(f"data.{name}: '{value}' is not one of {list(allowed)}")
+    for name in ("max_prompts", "max_new_tokens", "batch_size", "num_actors", "shard_size"):
+        if getattr(cfg, name) < 1:
+            raise DataConfigError(f"data.{name}: must be at least 1 (got {getattr(cfg, name)})")
+
+
+def record_meta(cfg: SpeclineConfig, info: TargetInfo) -> RecordMeta:
+    check_data_config(cfg.data)
+    return RecordMeta(target=info.target_cfg.name_or_path, tokenizer_hash=info.tokenizer_hash,
+                      layer_ids=tuple(layer_ids(cfg, info.num_layers)), last_layer=info.num_layers - 1,
+                      hidden_size=info.hidden_size, storage=cfg.data.storage)
+
+
+def output_dir(cfg: SpeclineConfig) -> Path:
+    """``data.output_dir`` with ``${run_dir}`` resolved (also for configs built in code)."""
+    raw = cfg.data.output_dir.replace("${run_dir}", str(run_dir(cfg)))
+    return Path(raw).expanduser().resolve()
+
+
+def generation_params(cfg: DataConfig) -> dict[str, Any]:
+    return {"backend": cfg.backend, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "top_p": cfg.top_p, "seed": cfg.seed, "batch_size": cfg.batch_size}

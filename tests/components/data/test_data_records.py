@@ -1,0 +1,81 @@
+"""Records: layer defaults, compression, arrow/safetensors round trips, meta checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from components.data.prompts import Prompt
+from components.data.records import (
+    Record,
+    RecordMeta,
+    RecordMismatchError,
+    batch_to_records,
+    check_meta,
+    decode,
+    encode,
+    record_bytes_per_token,
+    records_to_table,
+    table_to_batch,
+)
+from components.data.shards import ShardSpec, read_shard, write_shard
+
+META = RecordMeta("t", "abc", (0, 2), 3, 8, "float16")
+
+
+def _record(i: int, T: int, storage: str = "float16") -> Record:
+    rng = np.random.default_rng(i)
+    h, hs = encode(rng.standard_normal((T, 2, 8)).astype(np.float32), storage)
+    lh, ls = encode(rng.standard_normal((T, 8)).astype(np.float32), storage)
+    mask = np.zeros(T, np.uint8)
+    mask[T // 2:] = 1
+    return Record(f"s{i}", np.arange(T, dtype=np.int32), mask, h, lh, hs, ls, T // 2, i)
+
+
+def test_data_layer_ids_are_the_drafters_own():
+    from components.config import DrafterConfig, SpeclineConfig
+    from components.data.source import layer_ids
+    from components.drafters import drafter_class
+
+    for name in ("dspark", "eagle3", "medusa"):
+        cfg = SpeclineConfig(drafter=DrafterConfig(name=name))
+        for depth in (4, 8, 36):
+            assert layer_ids(cfg, depth) == drafter_class(name).default_layer_ids(depth, cfg.drafter)
+    assert layer_ids(SpeclineConfig(), 36) == [1, 9, 17, 25, 33]  # Qwen3-8B, DSpark's 5 taps
+    assert layer_ids(SpeclineConfig(), 8) == [1, 2, 3, 4, 5]  # the embedded default target
+
+
+def test_int8_storage_is_smaller_and_close():
+    x = np.random.default_rng(0).standard_normal((5, 3, 64)).astype(np.float32) * 4
+    q, s = encode(x, "int8")
+    assert q.dtype == np.int8 and s.shape == (5, 3)
+    assert np.abs(decode(q, s) - x).max() <= np.abs(x).max() / 127
+    f16 = record_bytes_per_token(META)
+    i8 = record_bytes_per_token(RecordMeta("t", "abc", (0, 2), 3, 8, "int8"))
+    assert i8 < f16 and f16 == 3 * 8 * 2
+
+
+@pytest.mark.parametrize("storage", ["float16", "int8"])
+def test_arrow_round_trip_is_bit_identical(storage):
+    records = [_record(0, 5, storage), _record(1, 9, storage)]
+    back = batch_to_records(table_to_batch(records_to_table(records)))
+    assert all(a.equals(b) for a, b in zip(records, back))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "safetensors"])
+def test_shard_formats_round_trip(tmp_path, fmt):
+    records = [_record(i, 4 + i, "int8") for i in range(3)]
+    meta = RecordMeta("t", "abc", (0, 2), 3, 8, "int8")
+    spec = ShardSpec(0, tuple(Prompt(r.sample_id, (), r.seed) for r in records))
+    summary = write_shard(tmp_path, spec, records, meta, "plan", fmt)
+    assert summary["records"] == 3 and summary["tokens"] == 4 + 5 + 6
+    assert not list(tmp_path.glob(".*"))  # nothing temporary left
+    back = read_shard(tmp_path / summary["name"], expect=meta)
+    assert all(a.equals(b) for a, b in zip(records, back))
+
+
+def test_meta_mismatch_names_every_field():
+    other = RecordMeta("u", "abc", (1,), 3, 8, "float16")
+    with pytest.raises(RecordMismatchError, match=r"where: .*target is 'u', expected 't'; layer_ids is \(1,\)"):
+        check_meta(other, META, "where")
+    check_meta(META, RecordMeta.from_dict(META.to_dict()), "same")

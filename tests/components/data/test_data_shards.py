@@ -1,0 +1,116 @@
+"""End to end on the fixture target under Ray: shards, crash + rerun, stream, mismatch refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from components.config import DataConfig, SpeclineConfig
+from components.data.build import build_shards
+from components.data.prompts import collect_prompts
+from components.data.records import RecordMismatchError, batch_to_records
+from components.data.rollout import Roller
+from components.data.shards import MANIFEST, read_records, read_shard, shard_dataset
+from components.data.source import describe_target, output_dir, record_meta
+from components.data.stream import rollout_stream
+
+pytestmark = pytest.mark.slow
+
+SMALL = DataConfig(max_prompts=6, max_new_tokens=8, batch_size=2, shard_size=2, storage="float32",
+                   num_actors=1, cpus_per_actor=0.5)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_target_cfg, tiny_target_build, ray_session):
+    """(cfg, info, prompts, manifest) of one shards-mode run, shared by this module's tests."""
+    cfg = SpeclineConfig(run_dir=str(tmp_path_factory.mktemp("data") / "runs"), target=tiny_target_cfg, data=SMALL)
+    info = describe_target(cfg)
+    prompts, stats = collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)
+    manifest = build_shards(cfg, info, prompts, stats, output_dir(cfg))
+    return cfg, info, prompts, manifest
+
+
+def _by_id(records):
+    out = {r.sample_id: r for r in records}
+    assert len(out) == len(records), "duplicate sample ids"
+    return out
+
+
+def test_shards_read_back_bit_identical_to_the_rollouts(built):
+    cfg, info, prompts, manifest = built
+    assert manifest["totals"]["records"] == len(prompts) == 6 and len(manifest["shards"]) == 3
+    assert manifest["totals"]["bytes_per_token"] > 0 and manifest["schema"]["hidden"].startswith("float32")
+    read = list(read_records(output_dir(cfg), expect=record_meta(cfg, info), verify=True))
+    direct = Roller(info.target_cfg, cfg.data, record_meta(cfg, info))(prompts)  # same batches, in process
+    assert [r.sample_id for r in read] == [p.prompt_id for p in prompts]
+    for got, want in zip(read, direct):
+        assert got.equals(want), got.sample_id
+        assert got.loss_mask.sum() == got.num_tokens - got.prompt_len > 0
+        assert got.hidden.shape == (got.num_tokens, len(record_meta(cfg, info).layer_ids), info.hidden_size)
+
+
+def test_crash_mid_write_then_rerun_completes_without_duplicates(built):
+    cfg, info, prompts, manifest = built
+    out = output_dir(cfg)
+    before = {r.sample_id: r for r in read_records(out)}
+    kept = out / manifest["shards"][0]["name"]
+    kept_stat = kept.stat()
+    # The crash: shard 1 never finished (only a temporary file), the manifest was never written.
+    victim = out / manifest["shards"][1]["name"]
+    victim.rename(out / f".{victim.name}.tmp-deadbeef")
+    (out / MANIFEST).unlink()
+    again = build_shards(cfg, info, prompts, collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)[1], out)
+    assert again["run"] == {**again["run"], "shards_reused": 2, "shards_written": 1, "partial_removed": 1}
+    assert kept.stat().st_mtime_ns == kept_stat.st_mtime_ns  # finished shards are not rewritten
+    assert not list(out.glob(".*tmp*")) and len(list(out.glob("shard-*"))) == 3
+    after = _by_id(list(read_records(out, verify=True)))
+    assert set(after) == set(before) and all(after[k].equals(before[k]) for k in before)
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
+
+
+def test_stream_yields_the_same_records_as_shards(built):
+    cfg, info, prompts, _ = built
+    stream = rollout_stream(cfg, info, prompts)
+    assert stream.meta == record_meta(cfg, info)
+    rows = stream.dataset.take_all()
+    batch = {k: [row[k] for row in rows] for k in rows[0]}
+    streamed = _by_id(batch_to_records(batch))
+    shards = _by_id(list(read_records(output_dir(cfg))))
+    assert set(streamed) == set(shards)
+    for sid, rec in shards.items():
+        assert rec.equals(streamed[sid]), sid
+
+
+def test_ray_dataset_reads_the_shards(built):
+    cfg, info, prompts, _ = built
+    rows = shard_dataset(output_dir(cfg), expect=record_meta(cfg, info)).take_all()
+    assert sorted(r["sample_id"] for r in rows) == sorted(p.prompt_id for p in prompts)
+    assert rows[0]["hidden"].dtype == np.float32 and rows[0]["hidden"].ndim == 3
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"layer_ids": (0, 1)}, "layer_ids"),
+    ({"tokenizer_hash": "0" * 16}, "tokenizer_hash"),
+    ({"target": "/models/other"}, "target"),
+    ({"storage": "int8"}, "storage"),
+])
+def test_reading_shards_for_another_target_is_refused(built, change, field):
+    cfg, info, _, _ = built
+    other = dataclasses.replace(record_meta(cfg, info), **change)
+    with pytest.raises(RecordMismatchError, match=f"{field} is"):
+        list(read_records(output_dir(cfg), expect=other))
+    with pytest.raises(RecordMismatchError, match=f"shard-00000.parquet: .*{field} is"):
+        read_shard(output_dir(cfg) / "shard-00000.parquet", expect=other)
+
+
+def test_resuming_into_a_directory_of_another_layer_set_is_refused(built):
+    cfg, info, prompts, _ = built
+    other = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, layer_ids=[0, 2]))
+    with pytest.raises(RecordMismatchError, match="layer_ids is"):
+        build_shards(other, info, prompts, collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)[1],
+                     output_dir(cfg))
+    manifest = json.loads((output_dir(cfg) / MANIFEST).read_text())
+    assert manifest["meta"]["layer_ids"] == list(record_meta(cfg, info).layer_ids)
