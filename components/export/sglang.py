@@ -4,14 +4,18 @@
 ``eagle_config.eagle_aux_hidden_state_layer_ids`` (exactly 3). SGLang adds +1 internally (it
 captures the input of layer i+1 = the output of layer i), so specline's ids are written
 unchanged. Weights as vLLM's native EAGLE-3 layout (``midlayer.*``, ``fc``, ``norm``,
-``lm_head``, ``d2t``/``t2d``). SGLang's loader skips unknown keys silently, so the tests check
-every name. Other drafters are refused with the list of what SGLang export supports.
+``lm_head``) plus identity ``d2t`` (int64 offsets, all 0) / ``t2d`` (bool, all True) for the full
+draft vocabulary (SGLang turns d2t into its hot-token map; vLLM 0.32 refuses a d2t for a full
+vocabulary, so the vLLM layouts leave both out). Not run against SGLang here: its loader skips
+unknown keys silently, so the tests check every name. Other drafters are refused with the list of what SGLang export supports.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from components.drafters.base import Drafter
 from components.export.vllm import ExportError, Tensors, eagle3_export, write_dir
@@ -27,6 +31,8 @@ def sglang_export(drafter: Drafter, target: Any) -> tuple[dict[str, Any], Tensor
     if len(drafter.layer_ids) != 3:
         raise ExportError(f"SGLang EAGLE-3 needs exactly 3 aux layers, drafter has {drafter.layer_ids}")
     config, tensors = eagle3_export(drafter, target, "native")
+    vocab = drafter.spec.target.vocab_size
+    tensors.update({"d2t": torch.zeros(vocab, dtype=torch.int64), "t2d": torch.ones(vocab, dtype=torch.bool)})
     del config["eagle_aux_hidden_state_layer_ids"]
     config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(drafter.layer_ids),
                               "use_aux_hidden_state": True}

