@@ -1,0 +1,109 @@
+"""Speedup of the speculative engine over target-only decoding, batch 1, greedy, same run.
+
+    python bench/engine.py [--new-tokens 64 --prompts 4 --reps 3 --threads 1 --device cpu]
+
+On the embedded target (built and cached on first use) it times, per prompt, plain greedy
+decoding (``target_only_generate``) and the engine with: a random-init DSpark drafter (expect
+< 1x until a trained drafter exists), prompt lookup (model-free), and an oracle that proposes
+the target's own greedy continuation for free (the upper bound of a perfect drafter at this
+γ). Every engine output is checked equal to the baseline. Printed: tokens/s, τ, draft/verify
+time shares, and the speedup as a ratio of medians measured in this run. Nothing is asserted
+about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import components.drafters  # noqa: F401  (registers every family)
+from components.config import DrafterConfig, TargetConfig
+from components.drafters.registry import build_drafter
+from components.engine import (
+    GenerationResult,
+    OracleDrafter,
+    PromptLookupDrafter,
+    SpeculativeEngine,
+    target_only_generate,
+)
+from components.target import load_target
+
+PROMPTS = ["def main(args):\n    ", "import os\nimport sys\n", "class Foo:\n    def __init__(self",
+           "for i in range(10):\n    ", "    return self._", "if __name__ == '__main__':\n"]
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gamma", type=int, default=0, help="drafts per round (0: the drafter's default)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    return ap.parse_args()
+
+
+def median_run(fn: Any, reps: int) -> GenerationResult:
+    """The run with the median total time among ``reps`` (after one warmup)."""
+    fn()
+    runs = sorted((fn() for _ in range(reps)), key=lambda r: r.total_seconds)
+    return runs[len(runs) // 2]
+
+
+def bench_prompt(target: Any, engines: dict[str, Any], prompt: list[int], args: argparse.Namespace) -> dict:
+    base = median_run(lambda: target_only_generate(target, prompt, args.new_tokens), args.reps)
+    rows = {"target-only": (base, 1.0)}
+    for name, make in engines.items():
+        engine = make(prompt, base.tokens)
+        res = median_run(lambda e=engine: e.generate(prompt, args.new_tokens), args.reps)
+        if res.tokens != base.tokens:
+            raise SystemExit(f"{name}: output differs from target-only greedy decoding (not lossless)")
+        rows[name] = (res, base.total_seconds / res.total_seconds)
+    return rows
+
+
+def report(all_rows: list[dict], new_tokens: int) -> None:
+    print(f"{'method':<22}{'tok/s':>9}{'tau':>7}{'draft%':>8}{'verify%':>9}{'speedup':>9}")
+    for name in all_rows[0]:
+        res = [rows[name][0] for rows in all_rows]
+        secs = statistics.median(r.total_seconds for r in res)
+        tau = statistics.mean(r.tau for r in res) if res[0].accepted else 1.0
+        draft = statistics.mean(r.draft_seconds / r.total_seconds for r in res)
+        verify = statistics.mean(r.verify_seconds / r.total_seconds for r in res)
+        speed = statistics.median(rows[name][1] for rows in all_rows)
+        print(f"{name:<22}{new_tokens / secs:9.1f}{tau:7.2f}{100 * draft:7.0f}%{100 * verify:8.0f}%{speed:8.2f}x")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    target = load_target(TargetConfig(device=args.device))
+    dspark = build_drafter(DrafterConfig(name="dspark"), target).eval()
+    gamma = args.gamma or None
+    engines = {
+        "dspark (random init)": lambda p, ref: SpeculativeEngine(target, dspark, "greedy", gamma),
+        "prompt lookup": lambda p, ref: SpeculativeEngine(
+            target, PromptLookupDrafter(target.vocab_size, gamma or 7, device=target.device), "greedy"),
+        "oracle (upper bound)": lambda p, ref: SpeculativeEngine(
+            target, OracleDrafter(p + ref, target.vocab_size, gamma or 7, device=target.device), "greedy"),
+    }
+    prompts = [target.tokenizer(t)["input_ids"] for t in PROMPTS[: args.prompts]]
+    print(f"target {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, "
+          f"vocab {target.vocab_size}), {args.device}, {torch.get_num_threads()} thread(s), "
+          f"{args.new_tokens} new tokens, {len(prompts)} prompts, median of {args.reps}; "
+          f"dspark γ={gamma or dspark.num_drafts}, {dspark.num_parameters():,} params")
+    report([bench_prompt(target, engines, p, args) for p in prompts], args.new_tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The speculative decoding engine's core round, lossless, for one request at a time (batch 1).
+
+gpt-fast style verbs, one step each::
+
+    prefill  -- one target forward over the prompt (taps at drafter.layer_ids, KV cache kept);
+                its last logits give the first new token; the drafter consumes every prompt
+                position (their target hidden states exist);
+    draft    -- drafter.propose after the last token (the drafter state is not changed);
+    verify   -- one target forward over [last_token, drafts] continuing the cache; the rule
+                decides the accepted tokens and the next (recovered or bonus) token;
+    accept   -- crop the target cache to the committed length (``DynamicCache.crop``) and feed
+                the verified positions' hidden states, already computed by ``verify``, to the
+                drafter. Accepted tokens are never recomputed.
+
+Invariant between rounds, for committed tokens x_0..x_{n-1}: the target cache and the drafter
+state hold n-1 positions; x_{n-1} (the last emitted token) has not been through the target.
+So a generation of R rounds costs exactly R + 1 target forwards.
+
+Limitations (left for later):
+* batch size 1 only: ``DraftState`` carries one committed length for the whole batch, and
+  requests of different lengths accept different counts per round; batching needs per-row
+  lengths (ragged caches or padding + per-row position ids) in the drafter protocol too;
+* chains only (no token trees), no DLoop multi-stage drafting, no carryover, no draft-length
+  scheduler (γ is fixed, shortened only so as not to overshoot ``max_new_tokens``);
+* no stop tokens: generation runs for exactly ``max_new_tokens`` tokens.
+
+The engine knows nothing about tokenization (token id lists in and out), drafter families
+(it uses only the engine protocol of ``components.drafters.base``) or how rules verify.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from components.drafters.base import DEFAULT_SAMPLING, Proposal
+from components.engine.rules import RoundRandomness, Rule, get_rule
+from components.spec.sampling import SamplingParams
+from components.spec.verify import VerifyResult
+
+
+class EngineDrafter(Protocol):
+    """What the engine needs from a drafter (``components.drafters.base.Drafter`` has it)."""
+
+    layer_ids: Seq[int]  # target taps to capture (may be empty)
+    num_drafts: int  # default γ
+
+    def init_state(self, batch_size: int) -> Any: ...
+    def consume(self, state: Any, tokens: Tensor, hidden: Tensor | None) -> Any: ...
+    def propose(self, state: Any, last_token: Tensor, sampling: SamplingParams = ...,
+                generator: torch.Generator | None = ..., num_drafts: int | None = ...) -> Proposal: ...
+
+
+@dataclass
+class GenerationResult:
+    """One request's output and what it cost."""
+
+    tokens: list[int]  # the new tokens (prompt excluded), exactly max_new_tokens of them
+    rounds: int = 0  # draft-verify rounds (target-only: decoding steps)
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per round
+    drafted: list[int] = field(default_factory=list)  # draft tokens proposed per round (γ)
+    target_forwards: int = 0  # target forward passes, prefill included
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0  # verify + accept (target forward, rule, cache crop, consume)
+    total_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length τ: mean tokens emitted per round (accepted + 1)."""
+        return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+
+
+@dataclass
+class Sequence:
+    """One request's running state between rounds (see the invariant in the module docstring)."""
+
+    cache: Any  # the target's KV cache, n-1 positions
+    draft_state: Any  # the drafter's state, n-1 positions
+    last_token: Tensor  # [1] long, x_{n-1}
+    length: int  # n: committed tokens, prompt included
+    new_tokens: list[int]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _randomness(sampling: SamplingParams, seed: int, device: torch.device) -> RoundRandomness:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return RoundRandomness(sampling, gen, torch.tensor([seed], dtype=torch.long, device=device))
+
+
+def _positions(start: int, count: int, device: torch.device) -> Tensor:  # [1, count] long
+    return torch.arange(start, start + count, device=device).unsqueeze(0)
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Drops every cached position from ``length`` on (HF caches: ``crop(-n)`` removes n, in
+    transformers 4.x and 5.x alike; 5.x refuses a positive absolute length)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+class SpeculativeEngine:
+    """Draft-verify rounds of ``drafter`` against ``target`` under one acceptance rule."""
+
+    def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_drafts: int | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.rule: Rule = get_rule(rule)
+        self.gamma = int(num_drafts or drafter.num_drafts)
+        self.layer_ids = list(drafter.layer_ids)
+
+    # ------------------------------------------------------------------ steps
+    def prefill(self, prompt: Tensor, rnd: RoundRandomness) -> Sequence:
+        """prompt [1, P] → the sequence after the first new token (sampled from the prefill)."""
+        out = self.target.forward(prompt, layer_ids=self.layer_ids, use_cache=True)
+        p = prompt.shape[1]
+        first = self.rule.sample_target(out.logits[:, -1:], _positions(p, 1, prompt.device), rnd)[:, 0]
+        state = self.drafter.consume(self.drafter.init_state(1), prompt, out.hidden)
+        return Sequence(out.cache, state, first, p + 1, [int(first)])
+
+    def draft(self, seq: Sequence, gamma: int, rnd: RoundRandomness) -> tuple[Proposal, Tensor]:
+        """Proposal and the draft tokens [1, γ] to verify (predicting positions n..n+γ-1)."""
+        prop = self.drafter.propose(seq.draft_state, seq.last_token, self.rule.draft_sampling(rnd),
+                                    rnd.generator, num_drafts=gamma)
+        drafts = self.rule.pick_drafts(prop, _positions(seq.length, gamma, seq.last_token.device), rnd)
+        return prop, drafts
+
+    def verify(self, seq: Sequence, prop: Proposal, drafts: Tensor,
+               rnd: RoundRandomness) -> tuple[VerifyResult, Tensor | None, Any]:
+        """One target forward over [x_{n-1}, drafts] [1, γ+1] → (result, hidden [1, γ+1, n, H], cache)."""
+        ids = torch.cat([seq.last_token[:, None], drafts], dim=1)
+        out = self.target.forward(ids, layer_ids=self.layer_ids, cache=seq.cache, use_cache=True)
+        positions = _positions(seq.length, ids.shape[1], ids.device)
+        result = self.rule.verify(drafts, out.logits, prop, positions, rnd)
+        return result, out.hidden, out.cache
+
+    def accept(self, seq: Sequence, drafts: Tensor, result: VerifyResult, hidden: Tensor | None,
+               cache: Any) -> Sequence:
+        """Commit x_{n-1} + the accepted drafts: crop the cache, feed their hidden states."""
+        a = int(result.num_accepted[0])
+        committed = seq.length + a  # positions now in the cache: x_0 .. x_{n-1+a}
+        crop_cache(cache, committed)
+        tokens = torch.cat([seq.last_token[:, None], drafts[:, :a]], dim=1)  # [1, a+1]
+        kept = hidden[:, : a + 1] if hidden is not None else None
+        state = self.drafter.consume(seq.draft_state, tokens, kept)
+        emitted = drafts[0, :a].tolist() + [int(result.next_token[0])]
+        return Sequence(cache, state, result.next_token, committed + 1, seq.new_tokens + emitted)
+
+    # ------------------------------------------------------------------ loop
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = DEFAULT_SAMPLING,
+                 seed: int = 0) -> GenerationResult:
+        """Exactly ``max_new_tokens`` new token ids after ``prompt_ids`` (lossless under the rule)."""
+        dev = self.target.device
+        rnd = _randomness(sampling, seed, dev)
+        clock = time.perf_counter()
+        seq = self.prefill(torch.tensor([prompt_ids], dtype=torch.long, device=dev), rnd)
+        _sync(dev)
+        res = GenerationResult([], target_forwards=1, prefill_seconds=time.perf_counter() - clock)
+        while len(seq.new_tokens) < max_new_tokens:
+            seq = self.round(seq, max_new_tokens - len(seq.new_tokens), rnd, res)
+        res.tokens = seq.new_tokens[:max_new_tokens]
+        res.total_seconds = time.perf_counter() - clock
+        return res
+
+    def round(self, seq: Sequence, remaining: int, rnd: RoundRandomness, res: GenerationResult) -> Sequence:
+        """One draft-verify-accept round, timed into ``res``."""
+        dev = seq.last_token.device
+        gamma = max(1, min(self.gamma, remaining - 1))  # a round emits up to γ+1 tokens
+        t0 = time.perf_counter()
+        prop, drafts = self.draft(seq, gamma, rnd)
+        _sync(dev)
+        t1 = time.perf_counter()
+        result, hidden, cache = self.verify(seq, prop, drafts, rnd)
+        seq = self.accept(seq, drafts, result, hidden, cache)
+        _sync(dev)
+        res.draft_seconds += t1 - t0
+        res.verify_seconds += time.perf_counter() - t1
+        res.rounds += 1
+        res.target_forwards += 1
+        res.accepted.append(int(result.num_accepted[0]))
+        res.drafted.append(gamma)
+        return seq
+
+
+@torch.no_grad()
+def target_only_generate(target: Any, prompt_ids: list[int], max_new_tokens: int,
+                         sampling: SamplingParams = DEFAULT_SAMPLING, seed: int = 0,
+                         rule: str = "greedy") -> GenerationResult:
+    """The baseline: the target alone, one token per forward, sampled as ``rule``'s target side
+    (greedy argmax; Gumbel-max with the same position-keyed noise; multinomial otherwise)."""
+    dev = target.device
+    chooser, rnd = get_rule(rule), _randomness(sampling, seed, dev)
+    clock = time.perf_counter()
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+    out = target.forward(ids, use_cache=True)
+    res = GenerationResult([], target_forwards=1)
+    pos = len(prompt_ids)
+    while True:
+        token = chooser.sample_target(out.logits[:, -1:], _positions(pos, 1, dev), rnd)  # [1, 1]
+        res.tokens.append(int(token[0, 0]))
+        pos += 1
+        if len(res.tokens) >= max_new_tokens:
+            break
+        out = target.forward(token, cache=out.cache, use_cache=True)
+        res.target_forwards += 1
+        res.rounds += 1
+    _sync(dev)
+    res.total_seconds = time.perf_counter() - clock
+    return res

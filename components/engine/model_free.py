@@ -1,0 +1,129 @@
+"""Drafters without a trained network, behind the engine protocol (batch 1).
+
+* ``OracleDrafter``       -- "cheating": proposes a known continuation (e.g. the target's own
+  greedy output), so under greedy verification every draft is accepted; the upper bound of
+  what a perfect, free drafter would give;
+* ``TargetDrafter``       -- drafts with the target itself (optionally at another temperature):
+  always right under greedy, a close-but-different q under sampling; for tests;
+* ``PromptLookupDrafter`` -- n-gram prompt lookup: finds the latest earlier occurrence of the
+  trailing n-gram in the context and proposes the tokens that followed it.
+
+All three keep the committed token ids (the hidden states they are given are ignored, so they
+ask for no target taps: ``layer_ids = []``) and return one-hot or processed distributions as q.
+They know nothing about verification rules or caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from components.drafters.base import DEFAULT_SAMPLING, Proposal, sample_tokens
+from components.spec.sampling import SamplingParams
+
+
+@dataclass
+class TokenState:
+    """Committed context ids (batch 1); rollback = truncate."""
+
+    length: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+def one_hot_proposal(tokens: list[int], vocab_size: int, device: torch.device) -> Proposal:
+    """A proposal [1, γ] whose q is one-hot at each token (logits 0 / -inf)."""
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, γ]
+    probs = torch.nn.functional.one_hot(ids, vocab_size).float()  # [1, γ, V]
+    logits = torch.log(probs)  # 0 at the token, -inf elsewhere
+    return Proposal(ids, logits, probs, None)
+
+
+class TokenDrafter:
+    """Shared bookkeeping: consume appends ids, rollback truncates, no target taps."""
+
+    layer_ids: tuple[int, ...] = ()  # no target taps: these drafters read token ids only
+
+    def __init__(self, vocab_size: int, num_drafts: int, device: torch.device | str = "cpu"):
+        self.vocab_size = vocab_size
+        self.num_drafts = num_drafts
+        self.device = torch.device(device)
+
+    def init_state(self, batch_size: int) -> TokenState:
+        if batch_size != 1:
+            raise ValueError(f"{type(self).__name__} drafts for one request at a time, got batch {batch_size}")
+        return TokenState()
+
+    def consume(self, state: TokenState, tokens: Tensor, hidden: Tensor | None) -> TokenState:
+        new = tokens[0].tolist()  # tokens [1, T]
+        return TokenState(state.length + len(new), state.tokens + new)
+
+    def rollback(self, state: TokenState, length: int) -> TokenState:
+        return TokenState(length, state.tokens[:length])
+
+
+class OracleDrafter(TokenDrafter):
+    """Proposes ``reference[n : n+γ]`` where n is the position after ``last_token``."""
+
+    def __init__(self, reference: list[int], vocab_size: int, num_drafts: int, device: torch.device | str = "cpu"):
+        super().__init__(vocab_size, num_drafts, device)
+        self.reference = list(reference)  # the whole expected sequence, prompt included
+
+    def propose(self, state: TokenState, last_token: Tensor, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
+        gamma, n = num_drafts or self.num_drafts, state.length + 1
+        tokens = (self.reference[n : n + gamma] + [0] * gamma)[:gamma]
+        return one_hot_proposal(tokens, self.vocab_size, self.device)
+
+
+class PromptLookupDrafter(TokenDrafter):
+    """n-gram lookup over the context (longest n first, ``max_ngram`` down to 1)."""
+
+    def __init__(self, vocab_size: int, num_drafts: int, max_ngram: int = 3, device: torch.device | str = "cpu"):
+        super().__init__(vocab_size, num_drafts, device)
+        self.max_ngram = max_ngram
+
+    def propose(self, state: TokenState, last_token: Tensor, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
+        gamma = num_drafts or self.num_drafts
+        context = state.tokens + [int(last_token[0])]
+        follow = lookup(context, self.max_ngram)
+        tokens = (follow[:gamma] + [context[-1]] * gamma)[:gamma]  # pad by repeating the last token
+        return one_hot_proposal(tokens, self.vocab_size, self.device)
+
+
+def lookup(context: list[int], max_ngram: int) -> list[int]:
+    """Tokens that followed the latest earlier occurrence of context's trailing n-gram ([] if none)."""
+    ids = torch.tensor(context, dtype=torch.long)
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        windows = ids.unfold(0, n, 1)[:-1]  # [L-n, n] every earlier n-gram (the trailing one excluded)
+        hits = (windows == ids[-n:]).all(dim=1).nonzero().flatten()
+        if hits.numel():
+            return context[int(hits[-1]) + n :]
+    return []
+
+
+class TargetDrafter(TokenDrafter):
+    """Drafts γ tokens with the target (no cache: recomputes the context; tests only)."""
+
+    def __init__(self, target: Any, num_drafts: int, temperature: float | None = None):
+        super().__init__(target.vocab_size, num_drafts, target.device)
+        self.target = target
+        self.temperature = temperature  # None: the engine's sampling settings
+
+    @torch.no_grad()
+    def propose(self, state: TokenState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
+                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
+        gamma = num_drafts or self.num_drafts
+        if self.temperature is not None:
+            sampling = SamplingParams(temperature=self.temperature)
+        ids = torch.tensor([state.tokens + [int(last_token[0])]], dtype=torch.long, device=self.device)
+        toks, logits, probs = [], [], []
+        for _ in range(gamma):
+            step = self.target.model(input_ids=ids).logits[:, -1:]  # [1, 1, V]
+            tok, prob = sample_tokens(step, sampling, generator)  # [1, 1], [1, 1, V]
+            toks.append(tok), logits.append(step), probs.append(prob)
+            ids = torch.cat([ids, tok], dim=1)
+        return Proposal(torch.cat(toks, 1), torch.cat(logits, 1), torch.cat(probs, 1), None)
