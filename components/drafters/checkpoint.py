@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from components.config import DrafterConfig
 from components.drafters.base import (
@@ -33,6 +31,7 @@ from components.drafters.base import (
 )
 from components.drafters.layers import LayerSizes
 from components.drafters.registry import build_from_spec
+from components.io import write_checkpoint_dir
 
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -67,28 +66,11 @@ def drafter_config_json(drafter: Drafter) -> dict[str, Any]:
 
 def save_drafter(drafter: Drafter, path: str | Path) -> Path:
     """Writes ``path``/config.json and model.safetensors atomically (temp dir, then rename)."""
-    path = Path(path).expanduser().resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    tensors = dict(drafter.state_dict())
     if drafter.cfg.store_shared:
-        tensors["embed_tokens.weight"] = drafter.shared.embed_tokens.weight.detach().contiguous().cpu()
-        tensors["lm_head.weight"] = drafter.shared.lm_head.weight.detach().contiguous().cpu()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(drafter_config_json(drafter), indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "specline"})
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+        tensors["embed_tokens.weight"] = drafter.shared.embed_tokens.weight
+        tensors["lm_head.weight"] = drafter.shared.lm_head.weight
+    return write_checkpoint_dir(path, drafter_config_json(drafter), tensors, WEIGHTS)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

@@ -35,17 +35,14 @@ ship with hybrid/MoE targets: Qwen3-Next/3.5, DeepSeek, ...) and is refused with
 from __future__ import annotations
 
 import copy
-import json
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from components.drafters.base import Drafter, DrafterError
+from components.io import write_checkpoint_dir
 
 Tensors = dict[str, torch.Tensor]
 LAYOUTS = ("speculators", "native")
@@ -183,20 +180,7 @@ VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark", "med
 # ----------------------------------------------------------------------------- writing
 def write_dir(path: str | Path, config: dict[str, Any], tensors: Tensors) -> Path:
     """config.json + model.safetensors into a temp sibling, then renamed into place."""
-    path = Path(path).expanduser().resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt", "producer": "specline"})
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return write_checkpoint_dir(path, config, tensors)
 
 
 def vllm_export(drafter: Drafter, target: Any, layout: str = "speculators") -> tuple[dict[str, Any], Tensors]:
