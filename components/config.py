@@ -141,14 +141,31 @@ class DrafterConfig:
 
 @dataclass
 class TrainConfig:
-    num_workers: int = 2
-    cpus_per_worker: float = 0.5
-    epochs: int = 1
-    batch_size: int = 8
-    lr: float = 3e-4
+    """Stage ``train``: offline drafter training on data-stage shards with Ray Train."""
+
+    num_workers: int = 2  # Ray Train workers (DDP ranks; gloo on CPU)
+    cpus_per_worker: float = 0.5  # fractional: Ray Data and Train share small boxes
+    torch_threads: int = 1  # torch CPU threads inside each worker
+    epochs: int = 1  # passes over the training records
+    max_steps: int = 0  # > 0: stop after this many optimizer steps (0: epochs decide)
+    batch_size: int = 4  # records per worker per step (global batch = batch_size * num_workers)
+    lr: float = 1e-3  # peak learning rate (AdamW)
     weight_decay: float = 0.0
-    loss: str = "dspark"
-    output_dir: str = "${run_dir}/train"
+    warmup_steps: int = 10  # linear warmup, then cosine decay to min_lr_ratio * lr
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # max global grad norm (0: no clipping)
+    loss: str = "dspark"  # key into components/losses/registry.py
+    loss_params: dict[str, Any] = field(default_factory=dict)  # the loss's hyperparameters
+    weighting: dict[str, Any] = field(default_factory=dict)  # PositionWeighting fields (kind, kappa, ...)
+    log_every: int = 5  # steps between metric reports
+    checkpoint_every: int = 50  # steps between checkpoints (the last step always checkpoints)
+    keep_checkpoints: int = 2  # Ray Train keeps this many newest checkpoints
+    eval_fraction: float = 0.1  # share of records held out for α/τ evaluation (at least 1)
+    eval_batch_size: int = 8
+    max_failures: int = 1  # Ray Train restarts from the last checkpoint this many times
+    run_name: str = "offline"  # Ray Train run (<output_dir>/<run_name>): rerunning it resumes
+    data_dir: str | None = None  # None: the data stage's output (upstream data_dir)
+    output_dir: str = "${run_dir}/train"  # Ray Train storage, checkpoints, final drafter
     seed: int = 0
 
 

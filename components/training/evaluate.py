@@ -1,0 +1,49 @@
+"""α by draft position and the τ estimate of a drafter on held-out records (no gradients).
+
+α_k = 1 − TV(p_k, q_k) averaged over every valid draft position k of every block, weighted by
+how many blocks reach k; τ = 1 + Σ_k Π_{i≤k} α_i as the loss reports it, averaged over blocks.
+Anchors are drawn from a generator seeded by ``seed``, so two drafters are compared on the
+same blocks. Knows the drafter interface and the loss output; nothing about Ray or files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from components.data.records import Record
+from components.drafters.base import Drafter
+from components.losses import DrafterLoss
+from components.training.batches import chunks, collate
+
+
+@torch.no_grad()
+def evaluate_records(drafter: Drafter, loss: DrafterLoss, records: Iterable[Record], batch_size: int = 8,
+                     seed: int = 0) -> dict[str, object]:
+    """{"loss", "alpha" [γ] list, "tau", "blocks"} over ``records``; empty dict without data."""
+    was_training = drafter.training
+    drafter.eval()
+    gen = torch.Generator().manual_seed(seed)
+    alpha_sum: torch.Tensor | None = None  # [γ] Σ α_k · (blocks reaching k)
+    count: torch.Tensor | None = None  # [γ] blocks reaching k
+    tau_sum = loss_sum = 0.0
+    blocks = 0
+    for group in chunks(records, batch_size):
+        out = drafter.training_forward(collate(group), gen)
+        lo = loss(out.loss_inputs())
+        n_k = out.valid.sum(0).double()  # [γ]
+        n = int(out.valid[:, 0].sum())
+        if n == 0:
+            continue
+        a = torch.nan_to_num(lo.alpha.double()) * n_k
+        alpha_sum = a if alpha_sum is None else alpha_sum + a
+        count = n_k if count is None else count + n_k
+        tau_sum += float(lo.tau) * n
+        loss_sum += float(lo.loss) * n
+        blocks += n
+    drafter.train(was_training)
+    if not blocks or alpha_sum is None or count is None:
+        return {}
+    alpha = (alpha_sum / count.clamp_min(1)).tolist()
+    return {"loss": loss_sum / blocks, "alpha": alpha, "tau": tau_sum / blocks, "blocks": blocks}

@@ -1,0 +1,172 @@
+"""The per-worker training function a Ray ``TorchTrainer`` runs (offline objective).
+
+Each worker loads the frozen target (the drafter borrows its embedding and LM head), builds the
+drafter, wraps drafter + loss in DDP (gloo on CPU) when there are several workers, resumes from
+``ray.train.get_checkpoint()`` when the run (same name + storage path) has one, and iterates its
+shard of the "train" dataset for ``total_steps`` optimizer steps. Every rank stops at the same
+batch count per epoch (``steps_per_epoch``), so DDP never waits on a rank that ran dry.
+
+Rank 0 logs metrics to the driver's MLflow run (Ray Train V2 rejects MLflowLoggerCallback) and
+saves checkpoints that every rank reports together. Only rank 0's RNG state is checkpointed;
+other ranks reseed their anchor generator from (seed, rank, step) on resume.
+Knows Ray Train, torch.distributed and the training components; nothing about pipelines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from components.config import SpeclineConfig
+from components.drafters import build_drafter
+from components.training.batches import numpy_batch_to_draft
+from components.training.checkpoints import load_checkpoint, save_checkpoint
+from components.training.step import TrainState, new_train_state, train_step
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_sum(values: list[float]) -> list[float]:
+    """Sums ``values`` over ranks (identity in a single process)."""
+    if not _distributed():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_agree(ok: bool) -> bool:
+    """True only if every rank says True."""
+    return all_sum([0.0 if ok else 1.0])[0] == 0.0
+
+
+def _wrap_ddp(module: torch.nn.Module) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, find_unused_parameters=True) if _distributed() else module
+
+
+class MetricSink:
+    """Rank 0 → the driver's MLflow run (by id); a no-op elsewhere or when tracking is off."""
+
+    def __init__(self, mlflow_ref: dict[str, str] | None, rank: int):
+        self.client: Any = None
+        if rank == 0 and mlflow_ref:
+            from mlflow.tracking import MlflowClient
+
+            self.client, self.run_id = MlflowClient(mlflow_ref["uri"]), mlflow_ref["run_id"]
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.client is None:
+            return
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = [Metric(k, float(v), ts, step) for k, v in metrics.items() if math.isfinite(float(v))]
+        self.client.log_batch(self.run_id, metrics=items)
+
+
+def _resume(state: TrainState, seed: int, rank: int) -> dict[str, Any]:
+    """Loads the run's latest checkpoint into ``state`` if there is one; returns its extra."""
+    import ray.train
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is None:
+        return {}
+    with ckpt.as_directory() as d:
+        meta = load_checkpoint(state, d)
+    if rank != 0:
+        state.generator.manual_seed(seed * 1_000_003 + rank * 7919 + state.step)
+    return meta.get("extra", {})
+
+
+def _report(state: TrainState, metrics: dict[str, float], rank: int, checkpoint: bool) -> None:
+    """ray.train.report on every rank; rank 0 attaches a freshly written checkpoint."""
+    import ray.train
+    from ray.train import Checkpoint
+
+    if not checkpoint:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = None
+        if rank == 0:
+            path = save_checkpoint(state, Path(tmp) / "checkpoint", extra={"metrics": metrics})
+            ckpt = Checkpoint.from_directory(str(path))
+        ray.train.report(metrics, checkpoint=ckpt)
+
+
+def _window_metrics(window: list[dict[str, float]], seconds: float) -> dict[str, float]:
+    """Means over the steps since the last log; tokens/s summed over ranks."""
+    keys = set().union(*window)
+    out = {k: sum(m[k] for m in window if k in m) / sum(1 for m in window if k in m) for k in keys}
+    tokens, secs = all_sum([sum(m["train/tokens"] for m in window), seconds])
+    out["train/tokens_per_s"] = tokens / max(1e-9, secs / max(1, dist.get_world_size() if _distributed() else 1))
+    out["train/lr"] = window[-1]["train/lr"]
+    return out
+
+
+def _run(state: TrainState, shard: Any, cfg: SpeclineConfig, plan: dict[str, int], sink: MetricSink,
+         rank: int, extra: dict[str, Any]) -> None:
+    tc, spe, total = cfg.train, plan["steps_per_epoch"], plan["total_steps"]
+    window: list[dict[str, float]] = []
+    first_loss = extra.get("metrics", {}).get("train/first_loss")
+    saved_at, t0 = state.step, time.perf_counter()
+    for epoch in range(state.epoch, math.ceil(total / spe)):
+        state.epoch = epoch
+        batches = iter(shard.iter_batches(batch_size=tc.batch_size, batch_format="numpy", prefetch_batches=1))
+        i = 0
+        while i < spe and state.step < total:
+            raw = next(batches, None)
+            if not all_agree(raw is not None):  # a rank ran dry: the epoch ends on every rank
+                break
+            i += 1
+            if i <= state.batch_in_epoch:  # resume: already trained on this batch
+                continue
+            window.append(train_step(state, numpy_batch_to_draft(raw), tc.grad_clip, all_agree))
+            state.batch_in_epoch = i
+            first_loss = window[-1]["train/loss"] if first_loss is None else first_loss
+            save = state.step >= total or state.step % tc.checkpoint_every == 0
+            if save or state.step % tc.log_every == 0:
+                metrics = _window_metrics(window, time.perf_counter() - t0)
+                metrics.update({"train/first_loss": first_loss, "train/epoch": epoch, "train/step": state.step})
+                sink.log(metrics, state.step)
+                _report(state, metrics, rank, save)
+                saved_at = state.step if save else saved_at
+                window, t0 = [], time.perf_counter()
+        if state.step < total:
+            state.epoch, state.batch_in_epoch = epoch + 1, 0
+    if state.step != saved_at:  # the data ended before total_steps: keep the last steps too
+        metrics = _window_metrics(window, time.perf_counter() - t0) if window else {}
+        _report(state, {**metrics, "train/first_loss": first_loss, "train/step": state.step}, rank, True)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Entry point of every worker; ``config``: cfg, target_path, total_steps, steps_per_epoch, mlflow."""
+    import ray.train
+
+    from components.target import load_target
+
+    cfg: SpeclineConfig = config["cfg"]
+    torch.set_num_threads(max(1, cfg.train.torch_threads))
+    rank = ray.train.get_context().get_world_rank()
+    target = load_target(dataclasses.replace(cfg.target, name_or_path=config["target_path"]), progress=False)
+    torch.manual_seed(cfg.train.seed)  # same initial drafter on every rank (DDP also broadcasts)
+    drafter = build_drafter(cfg.drafter, target)
+    seed = cfg.train.seed * 1_000_003 + rank * 7919
+    state = new_train_state(drafter, cfg.train, config["total_steps"], seed, _wrap_ddp)
+    extra = _resume(state, cfg.train.seed, rank)
+    plan = {"steps_per_epoch": config["steps_per_epoch"], "total_steps": config["total_steps"]}
+    sink = MetricSink(config.get("mlflow"), rank)
+    if state.step >= plan["total_steps"]:  # a finished run rerun: report its final checkpoint again
+        _report(state, dict(extra.get("metrics", {})), rank, checkpoint=True)
+        return
+    _run(state, ray.train.get_dataset_shard("train"), cfg, plan, sink, rank, extra)

@@ -1,0 +1,118 @@
+"""One optimizer step of offline drafter training, and the state it advances.
+
+The objective is a module (drafter + a loss from :mod:`components.losses.registry`) so that a
+DDP wrapper sees the whole forward; ``train_step`` runs forward → finite check → backward →
+clip → finite check → optimizer + scheduler step and returns float metrics. A non-finite loss
+or gradient norm raises :class:`NonFiniteLossError` *before* the optimizer touches a weight,
+so the last good weights (and checkpoints) survive. In distributed runs ``agree`` turns a
+local "finite" flag into the verdict of all ranks, so every rank stops at the same step.
+
+Knows torch, the drafter interface and the loss registry; nothing about Ray, files or MLflow.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from components.config import TrainConfig
+from components.drafters.base import DraftBatch, Drafter
+from components.losses import DrafterLoss, LossOutput, build_loss
+from components.training.batches import supervised_tokens
+
+Agree = Callable[[bool], bool]  # local flag → all ranks' verdict
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient norm is NaN/inf; no weight was updated."""
+
+
+class DraftObjective(nn.Module):
+    """Drafter + loss as one module: ``forward(batch, generator) -> (loss [], LossOutput)``."""
+
+    def __init__(self, drafter: Drafter, loss: DrafterLoss):
+        super().__init__()
+        self.drafter = drafter
+        self.loss = loss
+
+    def forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> tuple[Tensor, LossOutput]:
+        out = self.loss(self.drafter.training_forward(batch, generator).loss_inputs())
+        return out.loss, out
+
+
+@dataclass
+class TrainState:
+    """Everything a resumed run needs besides the data: weights, optimizer, schedule, RNG, position."""
+
+    drafter: Drafter
+    objective: nn.Module  # DraftObjective, or DDP around it
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    generator: torch.Generator  # anchor sampling
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # epoch in progress
+    batch_in_epoch: int = 0  # batches of ``epoch`` already consumed
+
+
+def build_train_loss(cfg: TrainConfig) -> DrafterLoss:
+    """The configured registry loss with its parameters and position weighting."""
+    return build_loss(cfg.loss, weighting=dict(cfg.weighting) or None, **dict(cfg.loss_params))
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine down to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / max(1, warmup)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def new_train_state(drafter: Drafter, cfg: TrainConfig, total_steps: int, seed: int,
+                    wrap: Callable[[nn.Module], nn.Module] | None = None) -> TrainState:
+    """Fresh AdamW + warmup/cosine schedule over ``total_steps``; ``wrap`` e.g. adds DDP."""
+    objective: nn.Module = DraftObjective(drafter, build_train_loss(cfg))
+    if wrap is not None:
+        objective = wrap(objective)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    schedule = lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    generator = torch.Generator().manual_seed(seed)
+    return TrainState(drafter, objective, optimizer, scheduler, generator)
+
+
+def _check(ok: bool, agree: Agree | None, what: str, step: int) -> None:
+    if agree is not None:
+        ok = agree(ok)
+    if not ok:
+        raise NonFiniteLossError(f"step {step + 1}: non-finite {what}; stopped before the optimizer step "
+                                 "(weights and checkpoints are the last good ones)")
+
+
+def train_step(state: TrainState, batch: DraftBatch, grad_clip: float = 1.0,
+               agree: Agree | None = None) -> dict[str, float]:
+    """One optimizer step on ``batch``; advances ``state.step``; returns float metrics."""
+    t0 = time.perf_counter()
+    state.objective.train()
+    state.optimizer.zero_grad(set_to_none=True)
+    loss, out = state.objective(batch, state.generator)
+    _check(bool(torch.isfinite(loss.detach())), agree, f"loss ({float(loss.detach())})", state.step)
+    loss.backward()
+    params = [p for p in state.drafter.parameters() if p.grad is not None]
+    limit = grad_clip if grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    _check(bool(torch.isfinite(norm)), agree, f"gradient norm ({float(norm)})", state.step)
+    lr = state.optimizer.param_groups[0]["lr"]
+    state.optimizer.step()
+    state.scheduler.step()
+    state.step += 1
+    metrics: dict[str, Any] = out.metrics("train/")
+    metrics.update({"train/grad_norm": float(norm), "train/lr": lr, "train/tokens": supervised_tokens(batch),
+                    "train/step_seconds": time.perf_counter() - t0})
+    return metrics
