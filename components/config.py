@@ -141,7 +141,13 @@ class DrafterConfig:
 
 @dataclass
 class TrainConfig:
-    """Stage ``train``: offline drafter training on data-stage shards with Ray Train."""
+    """Stage ``train``: drafter training on data-stage shards with Ray Train, one or more objectives."""
+
+    # Chained objectives (components/training/objectives): each starts from the previous drafter.
+    objectives: list[str] = field(default_factory=lambda: ["offline"])
+    # Per objective: TrainConfig fields to override (lr, max_steps, epochs, loss, ...) and the
+    # objective's own parameters, e.g. {opd: {lr: 3e-4, max_steps: 30, max_anchors: 16}}.
+    per_objective: dict[str, Any] = field(default_factory=dict)
 
     num_workers: int = 2  # Ray Train workers (DDP ranks; gloo on CPU)
     cpus_per_worker: float = 0.5  # fractional: Ray Data and Train share small boxes
@@ -163,18 +169,48 @@ class TrainConfig:
     eval_fraction: float = 0.1  # share of records held out for α/τ evaluation (at least 1)
     eval_batch_size: int = 8
     max_failures: int = 1  # Ray Train restarts from the last checkpoint this many times
-    run_name: str = "offline"  # Ray Train run (<output_dir>/<run_name>): rerunning it resumes
+    run_name: str = ""  # Ray Train runs <output_dir>/<run_name-><objective>: rerunning resumes
     data_dir: str | None = None  # None: the data stage's output (upstream data_dir)
     output_dir: str = "${run_dir}/train"  # Ray Train storage, checkpoints, final drafter
+    register_as: str = "specline-drafter"  # MLflow registered model of the final drafter ("": none)
     seed: int = 0
 
 
 @dataclass
 class EvalConfig:
-    num_prompts: int = 32
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    baselines: list[str] = field(default_factory=lambda: ["target_only", "ngram"])
+    """Stage ``eval``: τ, acceptance by position, tokens/s and speedup of every method in
+    ``methods`` on the same held-out prompts, in the same process (components/evaluation/)."""
+
+    # target_only | drafter | prompt_lookup (our engine) | hf_generate | hf_prompt_lookup |
+    # hf_assisted (transformers' generate, the peers). Speedups are against target_only.
+    methods: list[str] = field(default_factory=lambda: [
+        "target_only", "drafter", "prompt_lookup", "hf_generate", "hf_prompt_lookup", "hf_assisted"])
+    # "embedded": the embedded target's *held-out* split (chat turns + document windows);
+    # otherwise a prompt file or "hf:<dataset>[:split]" as in data.prompt_source.
+    prompt_source: str = "embedded"
+    embedded_kinds: list[str] = field(default_factory=lambda: ["chat", "text"])  # chat | text
+    text_prompt_tokens: int = 48  # document-window prompts: this many tokens
+    max_prompt_tokens: int = 128  # longer prompts are skipped
+    num_prompts: int = 16
+    max_new_tokens: int = 64  # every method generates exactly this many tokens (no stop tokens)
+    rule: str = "greedy"  # engine rule: greedy | speculative | block | gumbel
+    temperature: float = 0.0  # 0 = greedy (every method must then match target_only exactly)
+    seed: int = 0  # per-prompt seeds derive from this and the prompt id
+    drafter_path: str | None = None  # None: the train stage's drafter (upstream drafter_path)
+    num_drafts: int | None = None  # γ of the trained drafter; None: its own default
+    lookup_num_drafts: int = 7  # γ of prompt lookup (ours and transformers')
+    lookup_max_ngram: int = 3  # longest n-gram prompt lookup matches
+    # hf_assisted's assistant: "auto" = for the embedded target, a smaller LM pretrained on its
+    # training split with its tokenizer (built once, cached beside the target); else an HF
+    # directory or hub id with the target's tokenizer; null = none (hf_assisted then refused).
+    assistant: str | None = "auto"
+    assistant_layers: int = 2  # "auto" assistant size and pretraining steps
+    assistant_hidden_size: int = 128
+    assistant_train_steps: int = 300
+    assistant_num_tokens: int | None = None  # None: transformers' default (20, confidence-gated)
+    warmup: bool = True  # one untimed generation per method before timing
+    threads: int = 1  # torch CPU threads while timing (restored afterwards); 0 = leave as is
+    output_dir: str = "${run_dir}/eval"  # tables and plots (also logged to MLflow)
 
 
 @dataclass

@@ -1,15 +1,18 @@
-"""Stage ``train``: offline drafter training on the data stage's shards, with Ray Train.
+"""Stage ``train``: drafter training on the data stage's shards with Ray Train, objectives chained.
 
     python -m pipelines.train conf=dspark.yaml train.data_dir=runs/data
     python -m pipelines.train conf=dspark.yaml train.max_steps=200 train.loss=lk_hybrid
+    python -m pipelines.train conf=dspark.yaml "train.objectives=[offline,opd]"
 
-Holds out ``train.eval_fraction`` of the records, trains the configured drafter with the
-configured registry loss on ``train.num_workers`` TorchTrainer workers (DDP, gloo on CPU),
-copies the final drafter checkpoint to ``<train.output_dir>/drafter`` and logs to MLflow: the
-per-step training metrics (from rank 0), α by position / τ / loss on the held-out records for
-the initial and the trained drafter, a plot of α by position, and the drafter checkpoint.
-Rerunning the same run (same ``train.run_name`` and ``train.output_dir``) after a crash
-resumes from the last checkpoint; a finished run rerun only re-evaluates.
+Holds out ``train.eval_fraction`` of the records, then runs each objective of
+``train.objectives`` in order as its own Ray Train run (``train.num_workers`` TorchTrainer
+workers, DDP, gloo on CPU) and its own nested MLflow run, starting from the drafter the previous
+objective produced. Each objective's drafter lands in ``<output_dir>/drafters/<objective>``, the
+last one also in ``<output_dir>/drafter``. MLflow gets per-step metrics (from rank 0), held-out
+α by position / τ (the 1 − TV estimate) and the simulated greedy τ for the initial drafter and
+after every objective, a plot of α by position, the drafter, and a registered model version.
+Rerunning the same command after a crash resumes the unfinished objective from its last
+checkpoint; finished objectives are only re-evaluated.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from components.config import ConfigError, SpeclineConfig
 from components.data.records import RecordMeta, check_meta
 from components.data.shards import load_manifest, read_header, read_records
 from components.drafters import build_drafter, load_drafter
+from components.io import replace_dir
 from components.target import load_target
 from components.target.hf import resolve_target_path
 from components.tracking import Tracker, tracking_uri
 from components.training import build_train_loss, evaluate_records, heldout_ids
+from components.training.chain import ObjectiveStage, resolve_chain
 from components.training.loop import train_loop_per_worker
 from pipelines.cli import main
 
@@ -55,12 +60,7 @@ def plan_steps(num_train: int, cfg: SpeclineConfig) -> dict[str, int]:
     return {"steps_per_epoch": spe, "total_steps": tc.max_steps if tc.max_steps > 0 else tc.epochs * spe}
 
 
-RESERVED = ("drafter", "plots")  # entries of output_dir this stage writes itself
-
-
 def _data_dir(cfg: SpeclineConfig, upstream: dict[str, Any]) -> Path:
-    if cfg.train.run_name in RESERVED:
-        raise ConfigError(f"train.run_name: '{cfg.train.run_name}' is reserved ({', '.join(RESERVED)})")
     found = cfg.train.data_dir or upstream.get("data_dir")
     if not found:
         raise ConfigError("train: no data; set train.data_dir or run the data stage first (shards mode)")
@@ -98,7 +98,7 @@ def _train_dataset(data_dir: Path, expect: RecordMeta, held: set[str]) -> Any:
     return ray.data.from_arrow(tables)
 
 
-def _fit(cfg: SpeclineConfig, dataset: Any, loop_config: dict[str, Any], storage: Path) -> Any:
+def _fit(cfg: SpeclineConfig, dataset: Any, loop_config: dict[str, Any], storage: Path, name: str) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -107,7 +107,7 @@ def _fit(cfg: SpeclineConfig, dataset: Any, loop_config: dict[str, Any], storage
         train_loop_per_worker, train_loop_config=loop_config, datasets={"train": dataset},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=tc.num_workers, resources_per_worker={"CPU": tc.cpus_per_worker}),
-        run_config=RunConfig(name=tc.run_name, storage_path=str(storage),
+        run_config=RunConfig(name=name, storage_path=str(storage),
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints)))
     try:
@@ -117,17 +117,12 @@ def _fit(cfg: SpeclineConfig, dataset: Any, loop_config: dict[str, Any], storage
                              f"{str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}") from err
 
 
-def _copy_drafter(result: Any, out: Path) -> Path:
-    """The final checkpoint's drafter/ → ``out``/drafter (temp copy, then rename)."""
-    if result.checkpoint is None:
-        raise TrainingFailed("train: Ray Train finished without a checkpoint")
-    final = out / "drafter"
-    with result.checkpoint.as_directory() as d:
-        tmp = Path(tempfile.mkdtemp(prefix=".drafter.", dir=out))
-        shutil.copytree(Path(d) / "drafter", tmp, dirs_exist_ok=True)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+def _copy_drafter(source: Path, final: Path) -> Path:
+    """A drafter directory → ``final`` (temp copy, then rename)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    shutil.copytree(source, tmp, dirs_exist_ok=True)
+    replace_dir(tmp, final)
     return final
 
 
@@ -140,12 +135,16 @@ def _plot_alpha(evals: dict[str, dict[str, Any]], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
     for name, ev in evals.items():
         if ev:
-            ax.plot(range(1, len(ev["alpha"]) + 1), ev["alpha"], marker="o", label=f"{name} (τ={ev['tau']:.2f})")
-    ax.set(xlabel="draft position k", ylabel="α_k = 1 − TV", ylim=(0, 1), title="held-out acceptance by position")
-    ax.legend()
+            k = range(1, len(ev["alpha"]) + 1)
+            axes[0].plot(k, ev["alpha"], marker="o", label=f"{name} (τ={ev['tau']:.2f})")
+            axes[1].plot(k, ev["sim_alpha"], marker="o", label=f"{name} (τ={ev['sim_tau']:.2f})")
+    axes[0].set(xlabel="draft position k", ylabel="acceptance", ylim=(0, 1), title="α_k = 1 − TV (random anchors)")
+    axes[1].set(xlabel="draft position k", title="greedy rounds: P(accept k | reached k)")
+    for ax in axes:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -156,20 +155,15 @@ def _plot_alpha(evals: dict[str, dict[str, Any]], path: Path) -> Path | None:
 def _eval_metrics(prefix: str, ev: dict[str, Any]) -> dict[str, float]:
     if not ev:
         return {}
-    out = {f"{prefix}/loss": ev["loss"], f"{prefix}/tau": ev["tau"], f"{prefix}/blocks": ev["blocks"]}
+    out = {f"{prefix}/{k}": ev[k] for k in ("loss", "tau", "blocks", "sim_tau", "rounds")}
     out.update({f"{prefix}/alpha/{k + 1}": a for k, a in enumerate(ev["alpha"])})
+    out.update({f"{prefix}/sim_alpha/{k + 1}": a for k, a in enumerate(ev["sim_alpha"])})
     return out
 
 
-def _evaluate(cfg: SpeclineConfig, target: Any, drafter_path: Path, records: list[Any]) -> dict[str, dict[str, Any]]:
-    """Held-out α/τ of the initial drafter (same seed as the workers) and the trained one."""
-    loss = build_train_loss(cfg.train)
-    torch.manual_seed(cfg.train.seed)
-    initial = build_drafter(cfg.drafter, target)
-    trained = load_drafter(drafter_path, target)
-    bs, seed = cfg.train.eval_batch_size, cfg.train.seed
-    return {"initial": evaluate_records(initial, loss, records, bs, seed),
-            "trained": evaluate_records(trained, loss, records, bs, seed)}
+def _evaluate(cfg: SpeclineConfig, drafter: Any, records: list[Any]) -> dict[str, Any]:
+    """Held-out α/τ of ``drafter`` with the configured ``train.loss`` (the same for every objective)."""
+    return evaluate_records(drafter, build_train_loss(cfg.train), records, cfg.train.eval_batch_size, cfg.train.seed)
 
 
 def _active_run_id(tracker: Tracker) -> str | None:
@@ -181,44 +175,99 @@ def _active_run_id(tracker: Tracker) -> str | None:
     return active.info.run_id if active else None
 
 
+def _register(tracker: Tracker, cfg: SpeclineConfig, run_id: str | None, artifact: str) -> int | None:
+    """The run's drafter artifact as a new version of registered model ``train.register_as``."""
+    if not (tracker.enabled and run_id and cfg.train.register_as):
+        return None
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri(cfg))
+    try:
+        client.get_registered_model(cfg.train.register_as)
+    except Exception:  # noqa: BLE001  (MLflow raises its own RestException for "not found")
+        client.create_registered_model(cfg.train.register_as, description="specline drafter checkpoints")
+    source = f"{client.get_run(run_id).info.artifact_uri}/{artifact}"
+    version = client.create_model_version(cfg.train.register_as, source, run_id=run_id,
+                                          tags={"drafter": cfg.drafter.name, "objectives": ",".join(cfg.train.objectives)})
+    return int(version.version)
+
+
+def _train_objective(cfg: SpeclineConfig, stage: ObjectiveStage, ctx: dict[str, Any], tracker: Tracker) -> dict[str, Any]:
+    """One objective as its own Ray Train run and nested MLflow run; returns its results."""
+    scfg = dataclasses.replace(cfg, train=stage.train)
+    plan = plan_steps(ctx["num_train"], scfg)
+    out: Path = ctx["out"]
+    with tracker.run(f"train-{stage.name}", log_config=False):
+        tracker.log_params({"objective": stage.name, "init_drafter": ctx["init"] or "fresh", **plan,
+                            **{f"objective.{k}": v for k, v in stage.params.items()},
+                            **{f"train.{k}": v for k, v in dataclasses.asdict(stage.train).items()}})
+        run_id = _active_run_id(tracker)
+        loop_config = {"cfg": scfg, "target_path": ctx["target_path"], **plan, "init_drafter": ctx["init"],
+                       "stage": {"name": stage.name, "params": stage.params},
+                       "mlflow": {"uri": tracking_uri(cfg), "run_id": run_id} if run_id else None}
+        t0 = time.perf_counter()
+        result = _fit(scfg, ctx["dataset"], loop_config, out, stage.run_name)
+        seconds = time.perf_counter() - t0
+        if result.checkpoint is None:
+            raise TrainingFailed(f"train: objective '{stage.name}' finished without a checkpoint")
+        with result.checkpoint.as_directory() as d:
+            drafter_path = _copy_drafter(Path(d) / "drafter", out / "drafters" / stage.name)
+        ev = _evaluate(cfg, load_drafter(drafter_path, ctx["target"]), ctx["heldout"])
+        final = dict(result.metrics or {})
+        tracker.log_metrics({**_eval_metrics("heldout", ev), "train_seconds": seconds,
+                             "final_step": final.get("train/step", 0)})
+        tracker.log_artifacts(drafter_path, "drafter")
+    return {"objective": stage.name, "run_id": run_id, "drafter_path": str(drafter_path), "eval": ev,
+            "checkpoint": str(result.checkpoint.path), "seconds": seconds, "steps": int(final.get("train/step", 0)),
+            "loss_first": final.get("train/first_loss"), "loss_last": final.get("train/loss"),
+            "tokens_per_s": final.get("train/tokens_per_s")}
+
+
 def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
-    """Returns upstream plus ``drafter_path``, ``train_checkpoint``, ``train_run_id`` and results."""
+    """Returns upstream plus ``drafter_path``, ``train_checkpoint``, ``train_run_id``, per-objective
+    results (``train_objectives``) and the last objective's headline numbers."""
     data_dir = _data_dir(cfg, upstream)
+    chain = resolve_chain(cfg.train)
     target_path = upstream.get("target_path") or resolve_target_path(cfg.target, progress=True)
     target = load_target(dataclasses.replace(cfg.target, name_or_path=target_path), progress=False)
     torch.manual_seed(cfg.train.seed)
-    expect = _expected_meta(data_dir, target, target_path, build_drafter(cfg.drafter, target).layer_ids)
+    initial = build_drafter(cfg.drafter, target)
+    expect = _expected_meta(data_dir, target, target_path, initial.layer_ids)
     ids = _sample_ids(data_dir)
     held = heldout_ids(ids, cfg.train.eval_fraction, cfg.train.seed)
-    num_train = len(ids) - len(held)
-    plan = plan_steps(num_train, cfg)
-    tracker.log_params({f"train.{k}": v for k, v in dataclasses.asdict(cfg.train).items()}
-                       | {"train.num_train_records": num_train, "train.num_heldout_records": len(held), **plan})
+    tracker.log_params({"train.num_train_records": len(ids) - len(held), "train.num_heldout_records": len(held)})
     init_ray(cfg.ray)
     out = Path(cfg.train.output_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    run_id = _active_run_id(tracker)
-    loop_config = {"cfg": cfg, "target_path": target_path, **plan,
-                   "mlflow": {"uri": tracking_uri(cfg), "run_id": run_id} if run_id else None}
-    t0 = time.perf_counter()
-    result = _fit(cfg, _train_dataset(data_dir, expect, held), loop_config, out)
-    seconds = time.perf_counter() - t0
-    drafter_path = _copy_drafter(result, out)
-    evals = _evaluate(cfg, target, drafter_path, [r for r in read_records(data_dir, expect) if r.sample_id in held])
-    final = dict(result.metrics or {})
-    tracker.log_metrics({**_eval_metrics("heldout", evals["trained"]), **_eval_metrics("heldout_init", evals["initial"]),
-                         "train_seconds": seconds, "final_step": final.get("train/step", 0)})
+    heldout = [r for r in read_records(data_dir, expect) if r.sample_id in held]
+    ctx = {"num_train": len(ids) - len(held), "out": out, "target": target, "target_path": target_path,
+           "dataset": _train_dataset(data_dir, expect, held), "heldout": heldout, "init": None}
+    evals = {"initial": _evaluate(cfg, initial, heldout)}
+    results = []
+    for stage in chain:
+        results.append(_train_objective(cfg, stage, ctx, tracker))
+        ctx["init"] = results[-1]["drafter_path"]
+        evals[stage.name] = results[-1]["eval"]
+    last = results[-1]
+    drafter_path = _copy_drafter(Path(last["drafter_path"]), out / "drafter")
+    tracker.log_metrics({**_eval_metrics("heldout", last["eval"]), **_eval_metrics("heldout_init", evals["initial"]),
+                         "train_seconds": sum(r["seconds"] for r in results)})
     plot = _plot_alpha(evals, out / "plots" / "alpha_by_position.png")
     if plot is not None:
         tracker.log_artifacts(plot.parent, "train/plots")
     tracker.log_artifacts(drafter_path, "train/drafter")
-    tracker.log_dict({"plan": plan, "final_metrics": final, "heldout": evals}, "train/summary.json")
-    return {**upstream, "drafter_path": str(drafter_path), "train_checkpoint": str(result.checkpoint.path),
-            "train_run_id": run_id, "train_steps": int(final.get("train/step", 0)), "train_seconds": seconds,
-            "train_loss_first": final.get("train/first_loss"), "train_loss_last": final.get("train/loss"),
-            "train_tokens_per_s": final.get("train/tokens_per_s"),
-            "heldout_alpha": evals["trained"].get("alpha"), "heldout_tau": evals["trained"].get("tau"),
-            "heldout_tau_initial": evals["initial"].get("tau"), "plot": str(plot) if plot else None}
+    tracker.log_dict({"objectives": results, "heldout": evals}, "train/summary.json")
+    run_id = _active_run_id(tracker)
+    version = _register(tracker, cfg, run_id, "train/drafter")
+    return {**upstream, "drafter_path": str(drafter_path), "train_checkpoint": last["checkpoint"],
+            "train_run_id": run_id, "train_objectives": results, "registered_version": version,
+            "train_steps": last["steps"], "train_seconds": sum(r["seconds"] for r in results),
+            "train_loss_first": last["loss_first"], "train_loss_last": last["loss_last"],
+            "train_tokens_per_s": last["tokens_per_s"],
+            "heldout_alpha": last["eval"].get("alpha"), "heldout_tau": last["eval"].get("tau"),
+            "heldout_sim_tau": last["eval"].get("sim_tau"), "heldout_sim_alpha": last["eval"].get("sim_alpha"),
+            "heldout_tau_initial": evals["initial"].get("tau"),
+            "heldout_sim_tau_initial": evals["initial"].get("sim_tau"), "plot": str(plot) if plot else None}
 
 
 if __name__ == "__main__":

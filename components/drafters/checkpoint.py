@@ -118,10 +118,11 @@ def _check_shared(tensors: dict[str, torch.Tensor], target: Any, where: str) -> 
             del tensors[key]
 
 
-def check_weights(drafter: Drafter, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Raises naming missing, unexpected and misshapen weights."""
+def check_weights(drafter: Drafter, tensors: dict[str, torch.Tensor], where: str,
+                  allow_missing: set[str] | frozenset[str] = frozenset()) -> None:
+    """Raises naming missing (beyond ``allow_missing``), unexpected and misshapen weights."""
     expected = drafter.state_dict()
-    missing = sorted(set(expected) - set(tensors))
+    missing = sorted(set(expected) - set(tensors) - set(allow_missing))
     unexpected = sorted(set(tensors) - set(expected))
     shapes = [f"{k}: checkpoint {tuple(tensors[k].shape)}, drafter {tuple(expected[k].shape)}"
               for k in sorted(set(expected) & set(tensors)) if tensors[k].shape != expected[k].shape]
@@ -136,18 +137,28 @@ def check_weights(drafter: Drafter, tensors: dict[str, torch.Tensor], where: str
         raise DrafterError(f"{where}: " + ", ".join(problems))
 
 
-def load_drafter(path: str | Path, target: Any) -> Drafter:
-    """A drafter from a checkpoint directory, bound to ``target``'s shared embedding/LM head."""
+def load_drafter(path: str | Path, target: Any, overrides: dict[str, Any] | None = None) -> Drafter:
+    """A drafter from a checkpoint directory, bound to ``target``'s shared embedding/LM head.
+
+    ``overrides``: drafter config fields to change (a training objective that adds parts, e.g.
+    a learned embedding); weights that only the changed architecture has keep their fresh
+    initialisation, every other weight must be in the checkpoint."""
     where = str(path)
     raw = read_config(path)
     check_target(raw, target, where)
     spec = spec_from_config(raw, where)
+    new_keys: set[str] = set()
+    if overrides:
+        base = set(build_from_spec(spec, target).state_dict())
+        spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, **overrides))
     drafter = build_from_spec(spec, target)
+    if overrides:
+        new_keys = set(drafter.state_dict()) - base
     file = Path(path).expanduser() / WEIGHTS
     if not file.is_file():
         raise DrafterError(f"{where}: no {WEIGHTS}")
     tensors = load_file(str(file))
     _check_shared(tensors, target, where)
-    check_weights(drafter, tensors, where)
-    drafter.load_state_dict(tensors, strict=True)
+    check_weights(drafter, tensors, where, allow_missing=new_keys)
+    drafter.load_state_dict(tensors, strict=not new_keys)
     return drafter

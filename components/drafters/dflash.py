@@ -54,10 +54,16 @@ class BlockBackbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(sizes) for _ in range(num_layers))
         self.norm = RMSNorm(h, sizes.rms_norm_eps)
 
+    def fuse(self, hidden: Tensor) -> Tensor:  # taps [B, T, n, H] -> context features [B, T, H]
+        return self.hidden_norm(self.fc(hidden.flatten(2)))
+
+    def features_kv(self, feats: Tensor, positions: Tensor) -> list[KV]:
+        """Per-layer context K/V [B, h_kv, T, d] from context features [B, T, H] at positions [B, T]."""
+        return [layer.self_attn.project_kv(feats, positions) for layer in self.layers]
+
     def context_kv(self, hidden: Tensor, positions: Tensor) -> list[KV]:
         """Per-layer context K/V [B, h_kv, T, d] from taps hidden [B, T, n, H] at positions [B, T]."""
-        fused = self.hidden_norm(self.fc(hidden.flatten(2)))
-        return [layer.self_attn.project_kv(fused, positions) for layer in self.layers]
+        return self.features_kv(self.fuse(hidden), positions)
 
     def forward(
         self,
@@ -71,13 +77,12 @@ class BlockBackbone(nn.Module):
         return self.norm(x)
 
 
-def block_attention_mask(anchors: Tensor, block_size: int, context_len: int) -> Tensor:
-    """[B, 1, A·bs, S + A·bs] bool: a block's queries see context < its anchor and its own block."""
-    b, a = anchors.shape
-    dev = anchors.device
-    block_of = torch.arange(a, device=dev).repeat_interleave(block_size)  # [A·bs]
-    anchor_q = anchors.clamp_min(0).repeat_interleave(block_size, dim=1)  # [B, A·bs]
-    ctx = torch.arange(context_len, device=dev).view(1, 1, -1) < anchor_q.unsqueeze(-1)  # [B, Q, S]
+def blocks_mask(visible: Tensor, block_size: int) -> Tensor:
+    """visible [B, A, S] bool (context rows block a may read) → [B, 1, A·bs, S + A·bs] bool:
+    each block's queries see their visible context rows and their own block, bidirectionally."""
+    b, a, _ = visible.shape
+    block_of = torch.arange(a, device=visible.device).repeat_interleave(block_size)  # [A·bs]
+    ctx = visible.repeat_interleave(block_size, dim=1)  # [B, A·bs, S]
     own = (block_of.view(-1, 1) == block_of.view(1, -1)).expand(b, -1, -1)  # [B, Q, Q]
     return torch.cat([ctx, own], dim=-1).unsqueeze(1)
 
@@ -133,22 +138,27 @@ class DFlashDrafter(Drafter):
 
     # ---------------------------------------------------------------- training
     def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> DraftTrainOutput:
-        b, t = batch.input_ids.shape
+        t = batch.input_ids.shape[1]
         loss_mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
         anchors = batch.anchors if batch.anchors is not None else sample_anchors(loss_mask, self.cfg.num_anchors, generator)
-        positions = torch.arange(t, device=anchors.device).expand(b, t)
-        context = self.backbone.context_kv(batch.hidden.to(self.backbone.fc.weight.dtype), positions)
-        z = self._train_blocks(batch.input_ids, anchors, context, t)  # [B, A, bs, H]
-        gamma = self.block_drafts
-        z = z[:, :, self.first_slot:].reshape(-1, gamma, z.shape[-1])  # [N, γ, H]
-        prev_pos = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(gamma, device=anchors.device)
-        prev = gather_positions(batch.input_ids, prev_pos).reshape(-1, gamma)  # [N, γ] x_{a+j}
-        logits, conf = self.train_readout(z, prev)
-        target_logits, tokens, valid = block_targets(batch, anchors, gamma, self.shared)
-        return DraftTrainOutput(logits, target_logits, tokens, valid, conf)
+        context = self.target_context(batch.hidden)
+        visible = torch.arange(t, device=anchors.device).view(1, 1, -1) < anchors.clamp_min(0).unsqueeze(-1)
+        z = self.block_states(batch.input_ids, anchors, context, visible)  # [B, A, bs, H]
+        return self.block_output(batch, anchors, z)
 
-    def _train_blocks(self, input_ids: Tensor, anchors: Tensor, context: list[KV], t: int) -> Tensor:
-        """Every anchor's block in one backbone pass → z [B, A, bs, H]."""
+    # Block-level pieces, public so that training objectives (DLoop stages, carryover) can put
+    # other context rows beside the target's: the drafter's own states, rejected target states.
+    def target_context(self, hidden: Tensor) -> list[KV]:
+        """Context K/V of target taps hidden [B, T, n, H] at positions 0..T-1."""
+        b, t = hidden.shape[:2]
+        positions = torch.arange(t, device=hidden.device).expand(b, t)
+        return self.backbone.context_kv(hidden.to(self.backbone.fc.weight.dtype), positions)
+
+    def block_states(self, input_ids: Tensor, anchors: Tensor, context: list[KV], visible: Tensor) -> Tensor:
+        """Every anchor's block in one backbone pass → z [B, A, bs, H].
+
+        input_ids [B, T] (block slot 0 = the token at the anchor), anchors [B, A] (-1 unused),
+        context per layer K/V [B, h_kv, S, d], visible [B, A, S] bool: rows block a may read."""
         b, a = anchors.shape
         bs = self.cfg.block_size
         anchor_tok = gather_positions(input_ids, anchors)
@@ -156,9 +166,23 @@ class DFlashDrafter(Drafter):
         ids = torch.full((b, a, bs), int(self.cfg.mask_token_id), dtype=torch.long, device=input_ids.device)
         ids[:, :, 0] = anchor_tok
         positions = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(bs, device=anchors.device)
-        mask = block_attention_mask(anchors, bs, t)
+        mask = blocks_mask(visible, bs)
         z = self.backbone(self.embed(ids.view(b, a * bs)), positions.view(b, a * bs), context, mask)
         return z.view(b, a, bs, -1)
+
+    def draft_states(self, z: Tensor) -> Tensor:
+        """z [B, A, bs, H] → the states of the γ draft slots [B, A, γ, H] (draft j → x_{a+j+1})."""
+        return z[:, :, self.first_slot:self.first_slot + self.block_drafts]
+
+    def block_output(self, batch: DraftBatch, anchors: Tensor, z: Tensor) -> DraftTrainOutput:
+        """Teacher-forced readout of blocks z [B, A, bs, H] at anchors [B, A], with their targets."""
+        gamma = self.block_drafts
+        zd = self.draft_states(z).reshape(-1, gamma, z.shape[-1])  # [N, γ, H]
+        prev_pos = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(gamma, device=anchors.device)
+        prev = gather_positions(batch.input_ids, prev_pos).reshape(-1, gamma)  # [N, γ] x_{a+j}
+        logits, conf = self.train_readout(zd, prev)
+        target_logits, tokens, valid = block_targets(batch, anchors, gamma, self.shared)
+        return DraftTrainOutput(logits, target_logits, tokens, valid, conf)
 
     def train_readout(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
         """z [N, γ, H], previous tokens prev [N, γ] → logits [N, γ, V], confidence [N, γ] | None."""

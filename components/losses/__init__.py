@@ -7,7 +7,7 @@ positions, or mean over blocks for block objectives) plus detached per-position 
 among them α_k = 1 − TV(p_k, q_k) and τ, for logging.
 
 Modules: `divergences` (CE, KL, TV, LK), `block` (E2E-TV, BV), `confidence` (confidence head,
-DSpark mix), `weights` (decay, D-PACE), `registry` (name → loss for configs), `overlap` (fused
+DSpark mix), `onpolicy` (Draft-OPD's two streams), `weights` (decay, D-PACE), `registry` (name → loss for configs), `overlap` (fused
 α/TV with a hand-written backward), `common` (inputs, outputs, masked reductions).
 """
 
@@ -26,6 +26,7 @@ from components.losses.divergences import (
     tv_loss,
     tv_terms,
 )
+from components.losses.onpolicy import greedy_accepted, opd_loss
 from components.losses.overlap import overlap_tv
 from components.losses.registry import (
     LOSSES,
@@ -54,6 +55,7 @@ __all__ = [
     "dpace_weights",
     "dspark_loss",
     "e2e_tv_loss",
+    "greedy_accepted",
     "kl_loss",
     "kl_terms",
     "lk_hybrid_loss",
@@ -61,6 +63,7 @@ __all__ = [
     "lk_likelihood_loss",
     "log_alpha_terms",
     "loss_params",
+    "opd_loss",
     "overlap_tv",
     "register_loss",
     "tv_loss",

@@ -32,6 +32,7 @@ from components.losses.divergences import (
     lk_likelihood_loss,
     tv_loss,
 )
+from components.losses.onpolicy import opd_loss
 from components.losses.weights import DPACE_MODES, decay_weights, dpace_weights
 
 LossFn = Callable[..., LossOutput]
@@ -49,6 +50,7 @@ LOSSES: dict[str, LossFn] = {
     "bv": bv_loss,
     "dspark": dspark_loss,
     "confidence": confidence_loss,
+    "opd": opd_loss,
 }
 
 

@@ -1,7 +1,9 @@
 """Drafter training: records → batches, one optimizer step, checkpoints, the Ray Train loop.
 
 - ``batches``: data-stage records → padded :class:`DraftBatch` tensors; the held-out split.
-- ``step``: the objective module (drafter + registered loss), optimizer/schedule, ``train_step``.
+- ``objectives``: registered objectives (offline, Draft-OPD, ...) and how a config chains them.
+- ``rounds``: exact offline simulation of greedy draft–verify rounds over recorded rollouts.
+- ``step``: optimizer/schedule and ``train_step`` over an objective module.
 - ``checkpoints``: trainer checkpoints (drafter dir + optimizer/RNG safetensors + JSON), no pickle.
 - ``evaluate``: α by position and τ of a drafter on held-out records.
 - ``loop``: the per-worker function a Ray ``TorchTrainer`` runs (imports Ray lazily).
@@ -13,7 +15,6 @@ from components.training.batches import collate, heldout_ids, numpy_batch_to_dra
 from components.training.checkpoints import load_checkpoint, save_checkpoint
 from components.training.evaluate import evaluate_records
 from components.training.step import (
-    DraftObjective,
     NonFiniteLossError,
     TrainState,
     build_train_loss,
@@ -22,7 +23,6 @@ from components.training.step import (
 )
 
 __all__ = [
-    "DraftObjective",
     "NonFiniteLossError",
     "TrainState",
     "build_train_loss",

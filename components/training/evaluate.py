@@ -1,7 +1,14 @@
-"""α by draft position and the τ estimate of a drafter on held-out records (no gradients).
+"""α by draft position and the τ estimates of a drafter on held-out records (no gradients).
 
-α_k = 1 − TV(p_k, q_k) averaged over every valid draft position k of every block, weighted by
-how many blocks reach k; τ = 1 + Σ_k Π_{i≤k} α_i as the loss reports it, averaged over blocks.
+Two estimates, side by side:
+
+* from distributions: α_k = 1 − TV(p_k, q_k) averaged over every valid draft position k of
+  every block (random anchors), weighted by how many blocks reach k; τ = 1 + Σ_k Π_{i≤k} α_i
+  as the loss reports it — the expected acceptance of speculative *sampling* at temperature 1;
+* from simulated greedy rounds (components/training/rounds.py): rounds anchored where they
+  really start, greedy drafts checked against the recorded tokens; ``sim_tau`` is mean tokens
+  per round and ``sim_alpha`` the acceptance rate of draft k among rounds reaching it.
+
 Anchors are drawn from a generator seeded by ``seed``, so two drafters are compared on the
 same blocks. Knows the drafter interface and the loss output; nothing about Ray or files.
 """
@@ -16,12 +23,14 @@ from components.data.records import Record
 from components.drafters.base import Drafter
 from components.losses import DrafterLoss
 from components.training.batches import chunks, collate
+from components.training.rounds import Rounds, simulate_rounds
 
 
 @torch.no_grad()
 def evaluate_records(drafter: Drafter, loss: DrafterLoss, records: Iterable[Record], batch_size: int = 8,
                      seed: int = 0) -> dict[str, object]:
-    """{"loss", "alpha" [γ] list, "tau", "blocks"} over ``records``; empty dict without data."""
+    """{"loss", "alpha" [γ], "tau", "blocks", "sim_tau", "sim_alpha" [γ], "rounds"} over
+    ``records``; empty dict without data."""
     was_training = drafter.training
     drafter.eval()
     gen = torch.Generator().manual_seed(seed)
@@ -29,8 +38,13 @@ def evaluate_records(drafter: Drafter, loss: DrafterLoss, records: Iterable[Reco
     count: torch.Tensor | None = None  # [γ] blocks reaching k
     tau_sum = loss_sum = 0.0
     blocks = 0
+    sim = Rounds([], [], [])
     for group in chunks(records, batch_size):
-        out = drafter.training_forward(collate(group), gen)
+        batch = collate(group)
+        rounds = simulate_rounds(drafter, batch)
+        for mine, theirs in ((sim.anchors, rounds.anchors), (sim.accepted, rounds.accepted), (sim.reachable, rounds.reachable)):
+            mine.extend(theirs)
+        out = drafter.training_forward(batch, gen)
         lo = loss(out.loss_inputs())
         n_k = out.valid.sum(0).double()  # [γ]
         n = int(out.valid[:, 0].sum())
@@ -46,4 +60,7 @@ def evaluate_records(drafter: Drafter, loss: DrafterLoss, records: Iterable[Reco
     if not blocks or alpha_sum is None or count is None:
         return {}
     alpha = (alpha_sum / count.clamp_min(1)).tolist()
-    return {"loss": loss_sum / blocks, "alpha": alpha, "tau": tau_sum / blocks, "blocks": blocks}
+    gamma = len(alpha)
+    return {"loss": loss_sum / blocks, "alpha": alpha, "tau": tau_sum / blocks, "blocks": blocks,
+            "sim_tau": sim.tau(), "sim_alpha": sim.position_acceptance(gamma),
+            "rounds": sum(len(a) for a in sim.accepted)}

@@ -1,8 +1,8 @@
-"""The per-worker training function a Ray ``TorchTrainer`` runs (offline objective).
+"""The per-worker training function a Ray ``TorchTrainer`` runs (one objective of the chain).
 
 Each worker loads the frozen target (the drafter borrows its embedding and LM head), builds the
-drafter, wraps drafter + loss in DDP (gloo on CPU) when there are several workers, resumes from
-``ray.train.get_checkpoint()`` when the run (same name + storage path) has one, and iterates its
+drafter (or loads the previous objective's), builds the stage's objective, wraps it in DDP
+(gloo on CPU) when there are several workers, resumes from ``ray.train.get_checkpoint()`` when the run (same name + storage path) has one, and iterates its
 shard of the "train" dataset for ``total_steps`` optimizer steps. Every rank stops at the same
 batch count per epoch (``steps_per_epoch``), so DDP never waits on a rank that ran dry.
 
@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from components.config import SpeclineConfig
-from components.drafters import build_drafter
+from components.drafters import build_drafter, load_drafter
 from components.training.batches import numpy_batch_to_draft
 from components.training.checkpoints import load_checkpoint, save_checkpoint
-from components.training.step import TrainState, new_train_state, train_step
+from components.training.objectives import ObjectiveContext, build_objective, objective_class
+from components.training.step import TrainState, build_train_loss, new_train_state, train_step
 
 
 def _distributed() -> bool:
@@ -149,8 +150,23 @@ def _run(state: TrainState, shard: Any, cfg: SpeclineConfig, plan: dict[str, int
         _report(state, {**metrics, "train/first_loss": first_loss, "train/step": state.step}, rank, True)
 
 
+def _drafter_and_objective(config: dict[str, Any], cfg: SpeclineConfig, target: Any) -> tuple[Any, Any]:
+    """The stage's drafter (fresh, or the previous stage's with the objective's overrides) and objective."""
+    stage = config["stage"]
+    cls = objective_class(stage["name"])
+    torch.manual_seed(cfg.train.seed)  # same initial drafter on every rank (DDP also broadcasts)
+    if config.get("init_drafter"):
+        drafter = load_drafter(config["init_drafter"], target, dict(cls.drafter_overrides) or None)
+    else:
+        drafter = build_drafter(dataclasses.replace(cfg.drafter, **cls.drafter_overrides), target)
+    objective = build_objective(stage["name"], drafter, build_train_loss(cfg.train), stage["params"],
+                                ObjectiveContext(target=target))
+    return drafter, objective
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Entry point of every worker; ``config``: cfg, target_path, total_steps, steps_per_epoch, mlflow."""
+    """Entry point of every worker; ``config``: cfg (train = this stage's), stage {name, params},
+    init_drafter, target_path, total_steps, steps_per_epoch, mlflow."""
     import ray.train
 
     from components.target import load_target
@@ -159,10 +175,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, cfg.train.torch_threads))
     rank = ray.train.get_context().get_world_rank()
     target = load_target(dataclasses.replace(cfg.target, name_or_path=config["target_path"]), progress=False)
-    torch.manual_seed(cfg.train.seed)  # same initial drafter on every rank (DDP also broadcasts)
-    drafter = build_drafter(cfg.drafter, target)
+    drafter, objective = _drafter_and_objective(config, cfg, target)
     seed = cfg.train.seed * 1_000_003 + rank * 7919
-    state = new_train_state(drafter, cfg.train, config["total_steps"], seed, _wrap_ddp)
+    state = new_train_state(drafter, cfg.train, config["total_steps"], seed, _wrap_ddp, objective)
     extra = _resume(state, cfg.train.seed, rank)
     plan = {"steps_per_epoch": config["steps_per_epoch"], "total_steps": config["total_steps"]}
     sink = MetricSink(config.get("mlflow"), rank)

@@ -1,8 +1,8 @@
-"""One optimizer step of offline drafter training, and the state it advances.
+"""One optimizer step of drafter training, and the state it advances.
 
-The objective is a module (drafter + a loss from :mod:`components.losses.registry`) so that a
-DDP wrapper sees the whole forward; ``train_step`` runs forward → finite check → backward →
-clip → finite check → optimizer + scheduler step and returns float metrics. A non-finite loss
+The objective is a module (components/training/objectives: drafter + a registry loss + what the
+objective needs) so that a DDP wrapper sees the whole forward; ``train_step`` runs forward →
+finite check → backward → clip → finite check → optimizer + scheduler step and returns float metrics. A non-finite loss
 or gradient norm raises :class:`NonFiniteLossError` *before* the optimizer touches a weight,
 so the last good weights (and checkpoints) survive. In distributed runs ``agree`` turns a
 local "finite" flag into the verdict of all ranks, so every rank stops at the same step.
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from components.config import TrainConfig
 from components.drafters.base import DraftBatch, Drafter
-from components.losses import DrafterLoss, LossOutput, build_loss
+from components.losses import DrafterLoss, build_loss
 from components.training.batches import supervised_tokens
 
 Agree = Callable[[bool], bool]  # local flag → all ranks' verdict
@@ -33,25 +33,12 @@ class NonFiniteLossError(FloatingPointError):
     """The loss or gradient norm is NaN/inf; no weight was updated."""
 
 
-class DraftObjective(nn.Module):
-    """Drafter + loss as one module: ``forward(batch, generator) -> (loss [], LossOutput)``."""
-
-    def __init__(self, drafter: Drafter, loss: DrafterLoss):
-        super().__init__()
-        self.drafter = drafter
-        self.loss = loss
-
-    def forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> tuple[Tensor, LossOutput]:
-        out = self.loss(self.drafter.training_forward(batch, generator).loss_inputs())
-        return out.loss, out
-
-
 @dataclass
 class TrainState:
     """Everything a resumed run needs besides the data: weights, optimizer, schedule, RNG, position."""
 
     drafter: Drafter
-    objective: nn.Module  # DraftObjective, or DDP around it
+    objective: nn.Module  # an Objective (components/training/objectives), or DDP around it
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     generator: torch.Generator  # anchor sampling
@@ -74,9 +61,14 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 def new_train_state(drafter: Drafter, cfg: TrainConfig, total_steps: int, seed: int,
-                    wrap: Callable[[nn.Module], nn.Module] | None = None) -> TrainState:
-    """Fresh AdamW + warmup/cosine schedule over ``total_steps``; ``wrap`` e.g. adds DDP."""
-    objective: nn.Module = DraftObjective(drafter, build_train_loss(cfg))
+                    wrap: Callable[[nn.Module], nn.Module] | None = None, objective: nn.Module | None = None) -> TrainState:
+    """Fresh AdamW + warmup/cosine schedule over ``total_steps``; ``wrap`` e.g. adds DDP.
+
+    ``objective`` defaults to the offline objective with ``cfg``'s loss."""
+    if objective is None:
+        from components.training.objectives import build_objective
+
+        objective = build_objective("offline", drafter, build_train_loss(cfg))
     if wrap is not None:
         objective = wrap(objective)
     params = [p for p in drafter.parameters() if p.requires_grad]

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from components.config import DataConfig, DrafterConfig, SpeclineConfig, TrainConfig
@@ -53,13 +54,20 @@ def test_two_workers_lower_the_loss_and_write_a_loadable_drafter(tmp_path, tiny_
     assert drafter.num_parameters() > 0 and Path(out["plot"]).is_file()
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    run = client.get_run(out["train_run_id"])
-    for key in ("train/loss", "train/lr", "train/tokens_per_s", "train/alpha/1", "train/tau",
-                "heldout/tau", "heldout/alpha/1", "heldout_init/tau", "train_seconds"):
+    stage = client.get_run(out["train_run_id"])
+    for key in ("heldout/tau", "heldout/sim_tau", "heldout/alpha/1", "heldout/sim_alpha/1", "heldout_init/tau",
+                "train_seconds"):
+        assert key in stage.data.metrics, key
+    offline = out["train_objectives"][0]
+    run = client.get_run(offline["run_id"])  # the objective's nested run
+    assert run.data.tags["mlflow.parentRunId"] == out["train_run_id"]
+    for key in ("train/loss", "train/lr", "train/tokens_per_s", "train/alpha/1", "train/tau", "heldout/tau"):
         assert key in run.data.metrics, key
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [2, 4, 6, 8]
-    logged = {a.path for a in client.list_artifacts(run.info.run_id, "train")}
+    logged = {a.path for a in client.list_artifacts(out["train_run_id"], "train")}
     assert {"train/drafter", "train/plots", "train/summary.json"} <= logged
+    version = client.get_model_version("specline-drafter", str(out["registered_version"]))
+    assert version.run_id == out["train_run_id"] and version.tags["drafter"] == "dspark"
 
     assert sorted(p.name for p in (tmp_path / "runs" / "train" / "offline").glob("checkpoint_*"))  # Ray storage
 
@@ -70,5 +78,26 @@ def test_two_workers_lower_the_loss_and_write_a_loadable_drafter(tmp_path, tiny_
     with tracker.run("train-resumed"):
         resumed = train.run(again, tracker, {})
     assert resumed["train_steps"] == 10 and resumed["train_loss_first"] == out["train_loss_first"]
-    assert [m.step for m in client.get_metric_history(resumed["train_run_id"], "train/loss")] == [10]
+    resumed_run = resumed["train_objectives"][0]["run_id"]
+    assert [m.step for m in client.get_metric_history(resumed_run, "train/loss")] == [10]
     assert json.loads((Path(resumed["drafter_path"]) / "config.json").read_text())["name"] == "dspark"
+    assert resumed["registered_version"] == out["registered_version"] + 1
+
+
+def test_objectives_chain_offline_then_opd(tmp_path, tiny_target_cfg, tiny_target, data_dir, ray_session):
+    cfg = _cfg(tmp_path, tiny_target_cfg, data_dir, max_steps=4, checkpoint_every=4, objectives=["offline", "opd"],
+               per_objective={"opd": {"lr": 1e-3, "max_anchors": 4}})
+    tracker = Tracker(cfg)
+    with tracker.run("train"):
+        out = train.run(cfg, tracker, {})
+    offline, opd = out["train_objectives"]
+    assert (offline["objective"], opd["objective"]) == ("offline", "opd") and opd["steps"] == 4
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    params = client.get_run(opd["run_id"]).data.params
+    assert params["init_drafter"] == offline["drafter_path"] and params["train.loss"] == "opd"
+    assert params["objective.max_anchors"] == "4" and params["train.lr"] == "0.001"
+    assert "train/rev_kl" in client.get_run(opd["run_id"]).data.metrics
+    first, second = load_drafter(offline["drafter_path"], tiny_target), load_drafter(out["drafter_path"], tiny_target)
+    assert any(not torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters()))
+    summary = json.loads((tmp_path / "runs" / "train" / "drafters" / "opd" / "config.json").read_text())
+    assert summary["name"] == "dspark" and out["heldout_sim_tau"] >= 1.0

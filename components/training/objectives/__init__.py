@@ -1,0 +1,26 @@
+"""Training objectives: how a batch of recorded rollouts becomes a drafter loss.
+
+An objective is an ``nn.Module`` whose ``forward(batch, generator)`` returns ``(loss, LossOutput)``
+so that DDP sees the whole forward. The trainer runs any registered objective the same way;
+a config chains them (``train.objectives: [offline, opd]``), each one starting from the drafter
+the previous one produced.
+
+- ``offline``: random anchors in the rollouts, the drafter's own layout, any registry loss;
+- ``opd``: Draft-OPD: blocks where simulated greedy rounds start, two-stream OPD loss.
+
+Objectives register with ``@register_objective(name)``; nothing outside this package branches
+on an objective's name.
+"""
+
+from components.training.objectives import offline, opd  # noqa: F401  (registers them)
+from components.training.objectives.base import (
+    OBJECTIVES,
+    Objective,
+    ObjectiveContext,
+    build_objective,
+    objective_class,
+    register_objective,
+)
+
+__all__ = ["OBJECTIVES", "Objective", "ObjectiveContext", "build_objective", "objective_class",
+           "register_objective"]

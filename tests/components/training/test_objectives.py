@@ -1,0 +1,132 @@
+"""Objectives in-process (no Ray): round simulation vs free-running drafting, OPD loss, chains."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from components.config import ConfigError, DrafterConfig, TrainConfig
+from components.drafters import build_drafter
+from components.losses import build_loss
+from components.losses.common import LossInputs
+from components.spec.sampling import SamplingParams
+from components.training import collate, new_train_state, train_step
+from components.training.chain import resolve_chain
+from components.training.objectives import OBJECTIVES, ObjectiveContext, build_objective
+from components.training.rounds import anchor_tensor, simulate_rounds
+from tests.components.training.test_training_steps import _record
+
+GREEDY = SamplingParams(temperature=0.0)
+DRAFTERS = {
+    "dspark": DrafterConfig(name="dspark", block_size=4, num_anchors=8, markov_rank=8),
+    "dflash": DrafterConfig(name="dflash", block_size=4, num_anchors=8),
+    "eagle3": DrafterConfig(name="eagle3", ttt_steps=3),
+}
+
+
+def _free_running_rounds(drafter, batch, row: int) -> tuple[list[int], list[int]]:
+    """Ground truth: rounds walked with the engine protocol (consume/propose), greedy."""
+    ids, hidden, mask = batch.input_ids[row:row + 1], batch.hidden[row:row + 1], batch.loss_mask[row]
+    t = int(mask.nonzero().max()) + 1  # real length
+    a = int(mask.int().argmax())
+    anchors, accepted = [], []
+    while a < t - 1:
+        state = drafter.consume(drafter.init_state(1), ids[:, :a], hidden[:, :a])
+        gamma = min(drafter.num_drafts, t - 1 - a)
+        prop = drafter.propose(state, ids[:, a], GREEDY, num_drafts=drafter.num_drafts)
+        m = 0
+        while m < gamma and int(prop.tokens[0, m]) == int(ids[0, a + 1 + m]):
+            m += 1
+        anchors.append(a)
+        accepted.append(m)
+        a += m + 1
+    return anchors, accepted
+
+
+def _planted_batch(drafter, records):
+    """Records whose tokens copy the drafter's own greedy drafts at some anchors, so rounds accept."""
+    batch = collate(records)
+    for row in range(batch.input_ids.shape[0]):
+        for a in (4, 9):
+            state = drafter.consume(drafter.init_state(1), batch.input_ids[row:row + 1, :a], batch.hidden[row:row + 1, :a])
+            prop = drafter.propose(state, batch.input_ids[row:row + 1, a], GREEDY)
+            k = min(3, prop.tokens.shape[1])
+            batch.input_ids[row, a + 1:a + 1 + k] = prop.tokens[0, :k]
+    return batch
+
+
+@pytest.fixture(scope="module")
+def records(tiny_target):
+    torch.manual_seed(0)
+    ids = build_drafter(DRAFTERS["dspark"], tiny_target).layer_ids
+    return [_record(tiny_target, ids, n, 3, i, "float16") for i, n in enumerate([20, 16, 18])]
+
+
+@pytest.mark.parametrize("name", ["dspark", "dflash"])
+def test_simulated_rounds_equal_free_running_greedy_drafting(name, tiny_target, records):
+    torch.manual_seed(1)
+    drafter = build_drafter(DRAFTERS[name], tiny_target).eval()
+    batch = _planted_batch(drafter, records)
+    rounds = simulate_rounds(drafter, batch, chunk=5)
+    for row in range(batch.input_ids.shape[0]):
+        anchors, accepted = _free_running_rounds(drafter, batch, row)
+        assert rounds.anchors[row] == anchors and rounds.accepted[row] == accepted, (row, rounds, anchors, accepted)
+    assert sum(map(sum, rounds.accepted)) >= 6  # the planted drafts were accepted
+    assert rounds.tau() > 1.0 and 0 < rounds.position_acceptance(drafter.num_drafts)[0] <= 1
+
+
+def test_anchor_tensor_pads_and_subsamples():
+    out = anchor_tensor([[1, 5, 9, 12], [3]], limit=2, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 2) and out[1].tolist() == [3, -1]
+    assert set(out[0].tolist()) <= {1, 5, 9, 12} and out[0, 0] < out[0, 1]
+
+
+def test_opd_loss_splits_trajectory_and_rejected_streams():
+    torch.manual_seed(0)
+    target = torch.randn(1, 3, 5, dtype=torch.float64)
+    draft = torch.randn(1, 3, 5, dtype=torch.float64, requires_grad=True)
+    tokens = draft.detach().argmax(-1).clone()
+    tokens[0, 1] = (tokens[0, 1] + 1) % 5  # draft 2 is rejected: m = 1
+    out = build_loss("opd", decay=0.5)(LossInputs(draft, target, tokens, torch.ones(1, 3, dtype=torch.bool)))
+    lp, lq = torch.log_softmax(target, -1), torch.log_softmax(draft, -1)
+    fwd = (lp.exp() * (lp - lq)).sum(-1)[0]  # KL(p‖q) per position
+    rev = (lq.exp() * (lq - lp)).sum(-1)[0]  # KL(q‖p)
+    expected = (fwd[0] + fwd[1] + 0.5 * rev[1]) / (2 + 0.5)  # positions 1..m+1, rejected at m+1
+    torch.testing.assert_close(out.loss, expected)
+    assert float(out.terms["greedy_accepted"]) == 1.0
+    out.loss.backward()
+    assert draft.grad[0, 2].abs().sum() == 0 and draft.grad[0, :2].abs().sum() > 0  # position 3 never reached
+
+
+@pytest.mark.parametrize("name", ["dspark", "eagle3"])
+def test_opd_objective_trains_every_drafter_kind(name, tiny_target, records):
+    torch.manual_seed(0)
+    drafter = build_drafter(DRAFTERS[name], tiny_target)
+    objective = build_objective("opd", drafter, build_loss("opd"), {"max_anchors": 4}, ObjectiveContext(tiny_target))
+    state = new_train_state(drafter, TrainConfig(lr=3e-3, warmup_steps=1), 10, seed=1, objective=objective)
+    batch = collate(records)
+    metrics = [train_step(state, batch) for _ in range(6)]
+    assert all(torch.isfinite(torch.tensor(m["train/loss"])) for m in metrics)
+    assert metrics[-1]["train/loss"] < metrics[0]["train/loss"], [m["train/loss"] for m in metrics]
+    assert metrics[0]["train/sim_tau"] >= 1.0
+
+
+def test_chain_resolves_losses_and_overrides_and_names_mistakes():
+    tc = TrainConfig(objectives=["offline", "opd"], per_objective={"opd": {"lr": 1e-4, "max_anchors": 4}})
+    offline, opd = resolve_chain(tc)
+    assert (offline.train.loss, offline.train.lr, offline.run_name) == ("dspark", tc.lr, "offline")
+    assert (opd.train.loss, opd.train.lr, opd.params["max_anchors"], opd.run_name) == ("opd", 1e-4, 4, "opd")
+    assert resolve_chain(dataclasses.replace(tc, run_name="x"))[1].run_name == "x-opd"
+    bad = {
+        "train.objectives[1]: unknown objective 'opdd'": {"objectives": ["offline", "opdd"]},
+        "train.per_objective: ['dloop'] not in": {"per_objective": {"dloop": {}}},
+        "train.per_objective.opd: objective 'opd': unknown parameter": {"per_objective": {"opd": {"max_anchor": 3}}},
+        "apply to the whole train stage": {"per_objective": {"opd": {"data_dir": "x"}}},
+        "names an objective twice": {"objectives": ["opd", "opd"]},
+    }
+    for message, change in bad.items():
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            resolve_chain(dataclasses.replace(tc, **change))
+    assert {"offline", "opd"} <= set(OBJECTIVES)
