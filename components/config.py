@@ -137,6 +137,8 @@ class DrafterConfig:
     mtp_depth: int = 1  # MTP: sequential modules (reused beyond the depth)
     num_drafts: int | None = None  # sequential drafters: default γ per round (None: ttt/heads/depth)
     store_shared: bool = False  # also store frozen copies of embedding + LM head in checkpoints
+    # DFlash/DSpark: a learned E_carry added to rejected target states (the carryover objective sets it)
+    carryover: bool = False
 
 
 @dataclass
@@ -152,6 +154,8 @@ class TrainConfig:
     num_workers: int = 2  # Ray Train workers (DDP ranks; gloo on CPU)
     cpus_per_worker: float = 0.5  # fractional: Ray Data and Train share small boxes
     torch_threads: int = 1  # torch CPU threads inside each worker
+    use_gpu: bool = False  # one GPU per worker; DDP over nccl instead of gloo
+    mixed_precision: str = "no"  # "bf16": autocast the objective's forward (GPUs; master weights stay fp32)
     epochs: int = 1  # passes over the training records
     max_steps: int = 0  # > 0: stop after this many optimizer steps (0: epochs decide)
     batch_size: int = 4  # records per worker per step (global batch = batch_size * num_workers)

@@ -18,6 +18,7 @@ checkpoint; finished objectives are only re-evaluated.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import shutil
 import sys
@@ -105,8 +106,9 @@ def _fit(cfg: SpeclineConfig, dataset: Any, loop_config: dict[str, Any], storage
     tc = cfg.train
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_config, datasets={"train": dataset},
-        torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, resources_per_worker={"CPU": tc.cpus_per_worker}),
+        torch_config=TorchConfig(backend="nccl" if tc.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu,
+                                     resources_per_worker={"CPU": tc.cpus_per_worker}),
         run_config=RunConfig(name=name, storage_path=str(storage),
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints)))
@@ -192,6 +194,16 @@ def _register(tracker: Tracker, cfg: SpeclineConfig, run_id: str | None, artifac
     return int(version.version)
 
 
+def _run_name(stage: ObjectiveStage, init: str | None) -> str:
+    """The Ray Train run of an objective. After the first objective it names the drafter it starts
+    from (a digest of its weights): rerunning resumes only a run that started from the same one,
+    and a changed earlier objective starts its successors afresh instead of resuming stale runs."""
+    if not init:
+        return stage.run_name
+    digest = hashlib.sha256((Path(init) / "model.safetensors").read_bytes()).hexdigest()[:10]
+    return f"{stage.run_name}-from-{digest}"
+
+
 def _train_objective(cfg: SpeclineConfig, stage: ObjectiveStage, ctx: dict[str, Any], tracker: Tracker) -> dict[str, Any]:
     """One objective as its own Ray Train run and nested MLflow run; returns its results."""
     scfg = dataclasses.replace(cfg, train=stage.train)
@@ -206,7 +218,7 @@ def _train_objective(cfg: SpeclineConfig, stage: ObjectiveStage, ctx: dict[str, 
                        "stage": {"name": stage.name, "params": stage.params},
                        "mlflow": {"uri": tracking_uri(cfg), "run_id": run_id} if run_id else None}
         t0 = time.perf_counter()
-        result = _fit(scfg, ctx["dataset"], loop_config, out, stage.run_name)
+        result = _fit(scfg, ctx["dataset"], loop_config, out, _run_name(stage, ctx["init"]))
         seconds = time.perf_counter() - t0
         if result.checkpoint is None:
             raise TrainingFailed(f"train: objective '{stage.name}' finished without a checkpoint")

@@ -210,6 +210,10 @@ def read_shard(path: Path, expect: RecordMeta | None = None) -> list[Record]:
     if expect is not None:
         check_meta(RecordMeta.from_dict(header["meta"]), expect, str(path))
     if path.is_file():
+        # Tensors are stored as Ray Data's arrow tensor extension types, which must be registered
+        # before the table is read, or pyarrow returns plain structs.
+        import ray.air.util.tensor_extensions.arrow  # noqa: F401
+
         return batch_to_records(table_to_batch(pq.read_table(path)))
     from safetensors import safe_open
 

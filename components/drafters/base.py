@@ -128,6 +128,7 @@ class Proposal:
     logits: Tensor  # [B, γ, V] drafter logits each token was sampled from (before processing)
     probs: Tensor  # [B, γ, V] q: the processed distribution each token was sampled from
     confidences: Tensor | None = None  # [B, γ] σ(c_k): P(draft k accepted | prefix accepted)
+    states: Tensor | None = None  # [B, γ, H] the drafter's own state of each draft slot (DLoop)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -256,6 +257,10 @@ class Drafter(nn.Module, ABC):
         kv = [(k[:, :, :length], v[:, :, :length]) for k, v in state.kv]
         feats = state.feats[:, :length] if state.feats is not None else None
         return DraftState(length, kv, feats)
+
+    def consume_own(self, state: DraftState, states: Tensor) -> DraftState:
+        """DLoop: appends the drafter's own states [B, k, H] of unverified positions as context."""
+        raise DrafterError(f"drafter '{self.cfg.name}' cannot use its own states as context (DLoop)")
 
     def num_parameters(self) -> int:
         """Trainable parameters, excluding the target's shared frozen parts."""

@@ -43,6 +43,9 @@ _TARGET_FIELDS = {  # config.json key -> (TargetInfo field, what it is called in
     "num_target_layers": ("num_layers", "layer count"),
 }
 _SIZE_FIELDS = ("hidden_size", "rope_theta", "rms_norm_eps")
+# Config fields added after the format's first version, with the value that reproduces the
+# behaviour of checkpoints written before them (so those still load).
+ADDED_FIELDS = {"carryover": False}
 _META_FIELDS = ("architectures", "model_type", "specline_format_version", "layer_id_convention",
                 "target_model_id", "torch_dtype")
 
@@ -96,6 +99,7 @@ def spec_from_config(raw: dict[str, Any], where: str) -> DrafterSpec:
     names = {f.name for f in dataclasses.fields(DrafterConfig)}
     known = names | set(_SIZE_FIELDS) | set(_META_FIELDS) | set(_TARGET_FIELDS)
     unknown = sorted(set(raw) - known)
+    raw = {**ADDED_FIELDS, **raw}  # checkpoints written before a field existed get its old behaviour
     missing = sorted((names | set(_SIZE_FIELDS) | set(_TARGET_FIELDS)) - set(raw))
     if unknown or missing:
         raise DrafterError(f"{where}: config.json has unknown fields {unknown} and lacks fields {missing}")

@@ -120,6 +120,8 @@ class DFlashDrafter(Drafter):
             raise DrafterError(f"drafter.block_size must be >= 2, got {self.cfg.block_size}")
         self.backbone = BlockBackbone(self.sizes, len(self.layer_ids), int(self.cfg.num_layers))
         init_weights(self)
+        if self.cfg.carryover:  # E_carry [n·H], added to rejected target taps before fc; zero = no-op
+            self.carry_embed = nn.Parameter(torch.zeros(self.backbone.fc.in_features))
 
     @staticmethod
     def default_num_drafts(cfg: DrafterConfig) -> int:
@@ -208,7 +210,20 @@ class DFlashDrafter(Drafter):
         positions = state.length + torch.arange(bs, device=ids.device).expand(b, bs)
         z = self.backbone(self.embed(ids), positions, state.kv, None)
         z = z[:, self.first_slot:self.first_slot + gamma]  # [B, γ, H]
-        return self.sample_readout(z, last_token, sampling, generator)
+        proposal = self.sample_readout(z, last_token, sampling, generator)
+        proposal.states = z
+        return proposal
+
+    def consume_own(self, state: DraftState, states: Tensor) -> DraftState:
+        """DLoop: the draft slots' own states [B, k, H] become context rows at positions
+        state.length.. (in the fused-feature slot, as if they were target features); rollback
+        crops them like any other row."""
+        b, k = states.shape[:2]
+        positions = state.length + torch.arange(k, device=states.device).expand(b, k)
+        new = self.backbone.features_kv(states.to(self.backbone.fc.weight.dtype), positions)
+        if state.kv:
+            new = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(state.kv, new)]
+        return DraftState(state.length + k, new, None)
 
     def sample_readout(self, z: Tensor, last_token: Tensor, sampling: SamplingParams,
                        generator: torch.Generator | None) -> Proposal:

@@ -20,8 +20,7 @@ Limitations (left for later):
 * batch size 1 only: ``DraftState`` carries one committed length for the whole batch, and
   requests of different lengths accept different counts per round; batching needs per-row
   lengths (ragged caches or padding + per-row position ids) in the drafter protocol too;
-* chains only (no token trees), no DLoop multi-stage drafting, no carryover, no draft-length
-  scheduler (γ is fixed, shortened only so as not to overshoot ``max_new_tokens``);
+* chains only (no token trees), no carryover, no draft-length scheduler (γ is fixed, shortened only so as not to overshoot ``max_new_tokens``);
 * no stop tokens: generation runs for exactly ``max_new_tokens`` tokens.
 
 The engine knows nothing about tokenization (token id lists in and out), drafter families
@@ -112,12 +111,19 @@ def crop_cache(cache: Any, length: int) -> None:
 class SpeculativeEngine:
     """Draft-verify rounds of ``drafter`` against ``target`` under one acceptance rule."""
 
-    def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_drafts: int | None = None):
+    def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_drafts: int | None = None,
+                 loop_stages: int = 1, loop_gate: float = -0.5):
+        """``loop_stages`` > 1 turns on DLoop multi-stage drafting: after a stage whose drafted
+        tokens' summed drafter log-probability is ≥ ``loop_gate``, the drafter drafts another
+        block on its own states (``consume_own``), up to ``loop_stages`` blocks per round."""
         self.target = target
         self.drafter = drafter
         self.rule: Rule = get_rule(rule)
         self.gamma = int(num_drafts or drafter.num_drafts)
         self.layer_ids = list(drafter.layer_ids)
+        if loop_stages < 1:
+            raise ValueError(f"loop_stages must be >= 1, got {loop_stages}")
+        self.loop_stages, self.loop_gate = int(loop_stages), float(loop_gate)
 
     # ------------------------------------------------------------------ steps
     def prefill(self, prompt: Tensor, rnd: RoundRandomness) -> Sequence:
@@ -129,11 +135,31 @@ class SpeculativeEngine:
         return Sequence(out.cache, state, first, p + 1, [int(first)])
 
     def draft(self, seq: Sequence, gamma: int, rnd: RoundRandomness) -> tuple[Proposal, Tensor]:
-        """Proposal and the draft tokens [1, γ] to verify (predicting positions n..n+γ-1)."""
-        prop = self.drafter.propose(seq.draft_state, seq.last_token, self.rule.draft_sampling(rnd),
-                                    rnd.generator, num_drafts=gamma)
-        drafts = self.rule.pick_drafts(prop, _positions(seq.length, gamma, seq.last_token.device), rnd)
-        return prop, drafts
+        """Proposal and the draft tokens [1, γ] to verify (predicting positions n..n+γ-1).
+
+        With DLoop, γ may span several stages; later stages run on a throw-away drafter state
+        extended with the earlier stages' own states, so ``seq.draft_state`` never changes."""
+        state, last, start = seq.draft_state, seq.last_token, seq.length
+        props, drafts = [], []
+        while True:
+            g = min(self.gamma, gamma - sum(d.shape[1] for d in drafts))
+            prop = self.drafter.propose(state, last, self.rule.draft_sampling(rnd), rnd.generator, num_drafts=g)
+            picked = self.rule.pick_drafts(prop, _positions(start, g, last.device), rnd)
+            props.append(prop)
+            drafts.append(picked)
+            start += g
+            if not self._loop_again(len(props), start - seq.length, gamma, prop, picked):
+                break
+            state = self.drafter.consume_own(state, prop.states)
+            last = picked[:, -1]
+        return _concat(props), torch.cat(drafts, dim=1)
+
+    def _loop_again(self, stages: int, drafted: int, gamma: int, prop: Proposal, picked: Tensor) -> bool:
+        """DLoop's gate: another stage if allowed, room is left, and Σ log q(drafts) ≥ gate."""
+        if stages >= self.loop_stages or drafted >= gamma or prop.states is None:
+            return False
+        log_q = torch.log_softmax(prop.logits.float(), dim=-1).gather(-1, picked.unsqueeze(-1))
+        return float(log_q.sum()) >= self.loop_gate
 
     def verify(self, seq: Sequence, prop: Proposal, drafts: Tensor,
                rnd: RoundRandomness) -> tuple[VerifyResult, Tensor | None, Any]:
@@ -176,7 +202,7 @@ class SpeculativeEngine:
     def round(self, seq: Sequence, remaining: int, rnd: RoundRandomness, res: GenerationResult) -> Sequence:
         """One draft-verify-accept round, timed into ``res``."""
         dev = seq.last_token.device
-        gamma = max(1, min(self.gamma, remaining - 1))  # a round emits up to γ+1 tokens
+        gamma = max(1, min(self.gamma * self.loop_stages, remaining - 1))  # a round emits up to γ+1 tokens
         t0 = time.perf_counter()
         prop, drafts = self.draft(seq, gamma, rnd)
         _sync(dev)
@@ -189,8 +215,18 @@ class SpeculativeEngine:
         res.rounds += 1
         res.target_forwards += 1
         res.accepted.append(int(result.num_accepted[0]))
-        res.drafted.append(gamma)
+        res.drafted.append(drafts.shape[1])
         return seq
+
+
+def _concat(props: list[Proposal]) -> Proposal:
+    """One proposal from consecutive stages' proposals (along the draft axis)."""
+    if len(props) == 1:
+        return props[0]
+    conf = [p.confidences for p in props]
+    return Proposal(torch.cat([p.tokens for p in props], 1), torch.cat([p.logits for p in props], 1),
+                    torch.cat([p.probs for p in props], 1),
+                    torch.cat(conf, 1) if all(c is not None for c in conf) else None)
 
 
 @torch.no_grad()

@@ -27,6 +27,10 @@ Layer ids are translated from specline's convention (layer i = output of decoder
 vLLM EAGLE-3 aux ids name the layer whose *input* is captured (i+1); the speculators DFlash/
 DSpark ``aux_hidden_state_layer_ids`` are HF hidden_states indices (i+1; vLLM subtracts 1);
 native DFlash ``target_layer_ids`` use our convention unchanged (vLLM adds 1 to capture them).
+Training-only weights (``TRAINING_ONLY``) are left out with a logged warning: ``carry_embed``
+(E_carry of carryover training, components/training/objectives/carryover.py) is only read with a
+carryover KV of rejected target states, which no engine layout keeps; without it the exported
+drafter drafts as a plain DFlash/DSpark drafter (as after a full accept, with no carryover rows).
 Dispatch is a table keyed by registry name: no other code branches on drafter names. MTP has
 no vLLM layout for Qwen3-style standalone modules (vLLM 0.32's MTP paths read MTP layers that
 ship with hybrid/MoE targets: Qwen3-Next/3.5, DeepSeek, ...) and is refused with that message.
@@ -35,6 +39,7 @@ ship with hybrid/MoE targets: Qwen3-Next/3.5, DeepSeek, ...) and is refused with
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,11 @@ LAYOUTS = ("speculators", "native")
 MARKOV_TYPES = {"linear": "vanilla"}  # specline -> DeepSpec/vLLM names (the only head vLLM has)
 NATIVE_ARCHS = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
 SPECULATOR_ARCHS = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}
+# Drafter weights no engine layout has, left out of exports: name -> why
+TRAINING_ONLY = {"carry_embed": "carryover embedding E_carry: engines keep no carryover KV, so the "
+                                "exported drafter runs without carryover"}
+
+log = logging.getLogger(__name__)
 
 
 class ExportError(DrafterError):
@@ -87,7 +97,12 @@ def strip(tensors: Tensors, prefix: str) -> Tensors:
 
 
 def own_tensors(drafter: Drafter) -> Tensors:
-    return {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    """The drafter's weights, without the training-only ones (each dropped with a warning)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    for key in sorted(set(tensors) & set(TRAINING_ONLY)):
+        del tensors[key]
+        log.warning("%s export: leaving out %s (%s)", drafter.registry_name, key, TRAINING_ONLY[key])
+    return tensors
 
 
 def lm_head_copy(drafter: Drafter) -> torch.Tensor:

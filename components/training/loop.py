@@ -132,7 +132,8 @@ def _run(state: TrainState, shard: Any, cfg: SpeclineConfig, plan: dict[str, int
             i += 1
             if i <= state.batch_in_epoch:  # resume: already trained on this batch
                 continue
-            window.append(train_step(state, numpy_batch_to_draft(raw), tc.grad_clip, all_agree))
+            batch = numpy_batch_to_draft(raw, next(state.drafter.parameters()).device)
+            window.append(train_step(state, batch, tc.grad_clip, all_agree))
             state.batch_in_epoch = i
             first_loss = window[-1]["train/loss"] if first_loss is None else first_loss
             save = state.step >= total or state.step % tc.checkpoint_every == 0

@@ -27,6 +27,7 @@ from components.losses import DrafterLoss, build_loss
 from components.training.batches import supervised_tokens
 
 Agree = Callable[[bool], bool]  # local flag → all ranks' verdict
+MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -45,6 +46,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     epoch: int = 0  # epoch in progress
     batch_in_epoch: int = 0  # batches of ``epoch`` already consumed
+    autocast: torch.dtype | None = None  # mixed precision of the forward (None: off)
 
 
 def build_train_loss(cfg: TrainConfig) -> DrafterLoss:
@@ -76,7 +78,9 @@ def new_train_state(drafter: Drafter, cfg: TrainConfig, total_steps: int, seed: 
     schedule = lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     generator = torch.Generator().manual_seed(seed)
-    return TrainState(drafter, objective, optimizer, scheduler, generator)
+    if cfg.mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"train.mixed_precision: '{cfg.mixed_precision}' is not one of {sorted(MIXED_PRECISION)}")
+    return TrainState(drafter, objective, optimizer, scheduler, generator, autocast=MIXED_PRECISION[cfg.mixed_precision])
 
 
 def _check(ok: bool, agree: Agree | None, what: str, step: int) -> None:
@@ -93,7 +97,9 @@ def train_step(state: TrainState, batch: DraftBatch, grad_clip: float = 1.0,
     t0 = time.perf_counter()
     state.objective.train()
     state.optimizer.zero_grad(set_to_none=True)
-    loss, out = state.objective(batch, state.generator)
+    device = batch.input_ids.device
+    with torch.autocast(device.type, dtype=state.autocast or torch.bfloat16, enabled=state.autocast is not None):
+        loss, out = state.objective(batch, state.generator)
     _check(bool(torch.isfinite(loss.detach())), agree, f"loss ({float(loss.detach())})", state.step)
     loss.backward()
     params = [p for p in state.drafter.parameters() if p.grad is not None]

@@ -111,3 +111,12 @@ def test_no_leftovers_after_save(tiny_target, dr, tmp_path):
     save_drafter(d, tmp_path / "d")
     save_drafter(d, tmp_path / "d")
     assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+def test_checkpoint_from_before_a_field_existed_loads_with_the_old_behaviour(tiny_target, dr, tmp_path):
+    path = save_drafter(dr.make(tiny_target, "dspark"), tmp_path / "d")
+    raw = json.loads((path / "config.json").read_text())
+    del raw["carryover"]  # written before carryover training existed
+    (path / "config.json").write_text(json.dumps(raw))
+    loaded = load_drafter(path, tiny_target)
+    assert loaded.cfg.carryover is False and not hasattr(loaded, "carry_embed")

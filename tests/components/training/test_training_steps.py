@@ -127,3 +127,15 @@ def test_checkpoint_resume_matches_an_uninterrupted_run(setup, tmp_path):
 
 def straight_lr(state) -> float:
     return state.optimizer.param_groups[0]["lr"]
+
+
+def test_bf16_autocast_step_keeps_fp32_weights_and_names_bad_settings(setup):
+    target, records = setup
+    torch.manual_seed(0)
+    tc = TrainConfig(lr=3e-3, warmup_steps=1, mixed_precision="bf16")
+    state = new_train_state(build_drafter(DRAFTER, target), tc, 5, seed=1)
+    metrics = train_step(state, collate(records))
+    assert np.isfinite(metrics["train/loss"]) and state.step == 1
+    assert all(p.dtype == torch.float32 for p in state.drafter.parameters())
+    with pytest.raises(ValueError, match="train.mixed_precision: 'fp8'"):
+        new_train_state(build_drafter(DRAFTER, target), TrainConfig(mixed_precision="fp8"), 5, seed=1)

@@ -1,0 +1,192 @@
+"""Drafters, losses, storage and training objectives side by side: same rollouts, same step budget.
+
+    python bench/objectives.py --data runs/data [--steps 60 --extra 20 --batch 8 --threads 1]
+
+Everything trains in this one process (the training components without Ray: the same
+objectives and ``train_step`` the Ray Train workers run), from the same seed, on the same
+records in the same order, and is evaluated on the same held-out records (the train stage's
+split). Variants:
+
+* drafter: dspark, dflash, eagle3 — offline, each with the registry loss it trains with by
+  default here (dspark: the DSpark mix; dflash and eagle3: KL, no confidence head);
+* loss: dspark trained with lk_hybrid and with bv instead of the DSpark mix;
+* storage: dspark on the same rollouts re-encoded to int8 (per-row absmax) instead of float16;
+* chain: the offline dspark drafter continued for ``--extra`` steps with a fresh optimizer by
+  offline (the control), opd, carryover or dloop — equal total steps for all four.
+
+Reported per variant: held-out τ from distributions (1 − TV, random anchors), simulated greedy
+τ (rounds where they start, greedy drafts against the recorded tokens) and, for the chain
+variants, the engine's measured τ on held-out prompts (greedy, γ = block; dloop also with 3
+loop stages, gate ``--gate``). Prints a table and writes ``--out`` (JSON). Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from components.config import DrafterConfig, TargetConfig, TrainConfig
+from components.data.records import Record, encode
+from components.data.shards import load_manifest, read_records
+from components.drafters import build_drafter
+from components.engine import SpeculativeEngine
+from components.losses import build_loss
+from components.target import load_target
+from components.training import collate, evaluate_records, heldout_ids, new_train_state, train_step
+from components.training.objectives import ObjectiveContext, build_objective
+
+DSPARK = DrafterConfig(name="dspark", block_size=7, markov_rank=32)
+DRAFTERS = {"dspark": (DSPARK, "dspark"),
+            "dflash": (DrafterConfig(name="dflash", block_size=8), "kl"),
+            "eagle3": (DrafterConfig(name="eagle3", ttt_steps=7), "kl")}
+EXTRA_LOSS = {"offline": "dspark", "opd": "opd", "carryover": "dspark", "dloop": "dspark"}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", required=True, help="a data-stage output directory (float16 shards)")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--extra", type=int, default=20, help="steps of each chained objective")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--extra-lr", type=float, default=5e-4)
+    ap.add_argument("--eval-fraction", type=float, default=0.1)
+    ap.add_argument("--engine-prompts", type=int, default=12)
+    ap.add_argument("--engine-tokens", type=int, default=48)
+    ap.add_argument("--gate", type=float, default=-1.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma list of groups: drafter,loss,storage,chain")
+    ap.add_argument("--out", default="bench-objectives.json")
+    return ap.parse_args()
+
+
+def with_layers(records: list[Record], stored: list[int], wanted: list[int]) -> list[Record]:
+    """Records keeping only the taps ``wanted`` (a subset of ``stored``), float storage only."""
+    idx = [stored.index(i) for i in wanted]
+    return [dataclasses.replace(r, hidden=r.hidden[:, idx]) for r in records]
+
+
+def as_int8(records: list[Record]) -> list[Record]:
+    """The same rollouts re-encoded as the data stage's int8 storage would write them."""
+    out = []
+    for r in records:
+        h, hs = encode(r.hidden_f32(), "int8")
+        lh, ls = encode(r.last_hidden_f32(), "int8")
+        out.append(dataclasses.replace(r, hidden=h, hidden_scale=hs, last_hidden=lh, last_hidden_scale=ls))
+    return out
+
+
+def train(drafter: Any, objective: str, loss: str, records: list[Record], steps: int, args: argparse.Namespace,
+          target: Any, lr: float, warmup: int) -> dict[str, float]:
+    """``steps`` optimizer steps of ``objective`` over ``records`` (fixed order, cycling)."""
+    tc = TrainConfig(lr=lr, warmup_steps=warmup, seed=0)
+    obj = build_objective(objective, drafter, build_loss(loss), {}, ObjectiveContext(target))
+    state = new_train_state(drafter, tc, steps, seed=0, objective=obj)
+    order = np.random.default_rng(0).permutation(len(records))
+    t0, losses = time.perf_counter(), []
+    for step in range(steps):
+        pick = [records[order[(step * args.batch + j) % len(records)]] for j in range(args.batch)]
+        losses.append(train_step(state, collate(pick))["train/loss"])
+    drafter.eval()
+    return {"seconds": time.perf_counter() - t0, "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+def heldout_eval(drafter: Any, records: list[Record]) -> dict[str, float]:
+    ev = evaluate_records(drafter, build_loss("kl"), records, batch_size=8, seed=0)
+    return {"tau_tv": ev["tau"], "sim_tau": ev["sim_tau"], "sim_alpha": [round(a, 3) for a in ev["sim_alpha"]]}
+
+
+def engine_tau(target: Any, drafter: Any, records: list[Record], args: argparse.Namespace, loop: int) -> float:
+    """Measured greedy τ of the engine on held-out prompts (the records' prompts)."""
+    engine = SpeculativeEngine(target, drafter, rule="greedy", loop_stages=loop, loop_gate=args.gate)
+    acc = rounds = 0
+    for r in records[: args.engine_prompts]:
+        out = engine.generate(r.input_ids[: r.prompt_len].tolist(), args.engine_tokens)
+        acc, rounds = acc + sum(out.accepted), rounds + out.rounds
+    return (acc + rounds) / max(1, rounds)
+
+
+def fresh(cfg: DrafterConfig, target: Any) -> Any:
+    torch.manual_seed(0)
+    return build_drafter(cfg, target)
+
+
+def run_groups(args: argparse.Namespace, target: Any, train_set: list[Record], held: list[Record],
+               stored: list[int]) -> dict[str, dict[str, Any]]:
+    groups = set(args.only.split(",")) if args.only else {"drafter", "loss", "storage", "chain"}
+    results: dict[str, dict[str, Any]] = {}
+
+    def offline(name: str, cfg: DrafterConfig, loss: str, records: list[Record], ev_records: list[Record]) -> Any:
+        drafter = fresh(cfg, target)
+        stats = train(drafter, "offline", loss, records, args.steps, args, target, args.lr, 10)
+        results[name] = {**stats, **heldout_eval(drafter, ev_records)}
+        print(name, json.dumps(results[name]), flush=True)
+        return drafter
+
+    base = offline("dspark", DSPARK, "dspark", train_set, held)
+    if "drafter" in groups:
+        for name in ("dflash", "eagle3"):
+            cfg, loss = DRAFTERS[name]
+            wanted = fresh(cfg, target).layer_ids
+            offline(name, cfg, loss, with_layers(train_set, stored, wanted), with_layers(held, stored, wanted))
+    if "loss" in groups:
+        for loss in ("lk_hybrid", "bv"):
+            offline(f"dspark+{loss}", DSPARK, loss, train_set, held)
+    if "storage" in groups:
+        offline("dspark int8", DSPARK, "dspark", as_int8(train_set), held)
+    if "chain" in groups:
+        for objective, loss in EXTRA_LOSS.items():
+            drafter = copy.deepcopy(base)
+            if objective == "carryover":  # the objective adds E_carry (zero) to the offline drafter
+                drafter = _with_carry(base, target)
+            stats = train(drafter, objective, loss, train_set, args.extra, args, target, args.extra_lr, 2)
+            row = {**stats, **heldout_eval(drafter, held), "engine_tau": engine_tau(target, drafter, held, args, 1)}
+            if objective in ("offline", "dloop"):
+                row["engine_tau_loop3"] = engine_tau(target, drafter, held, args, 3)
+            results[f"dspark→{objective}"] = row
+            print(f"dspark→{objective}", json.dumps(row), flush=True)
+    return results
+
+
+def _with_carry(base: Any, target: Any) -> Any:
+    """``base`` rebuilt with the carryover embedding (zero) and its weights copied."""
+    drafter = fresh(dataclasses.replace(base.cfg, carryover=True), target)
+    missing = drafter.load_state_dict(base.state_dict(), strict=False).missing_keys
+    assert set(missing) <= {"carry_embed"}, missing
+    return drafter
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    meta = load_manifest(Path(args.data))["meta"]
+    target = load_target(TargetConfig(name_or_path=meta["target"], dtype="float32"), progress=False)
+    records = list(read_records(Path(args.data)))
+    held_ids = heldout_ids([r.sample_id for r in records], args.eval_fraction, 0)
+    train_set = [r for r in records if r.sample_id not in held_ids]
+    held = [r for r in records if r.sample_id in held_ids]
+    print(f"{len(train_set)} train / {len(held)} held-out records, {args.steps} steps × {args.batch}", flush=True)
+    results = run_groups(args, target, train_set, held, list(meta["layer_ids"]))
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\n{'variant':<20} {'τ (1−TV)':>9} {'sim τ':>7} {'engine τ':>9} {'loop×3 τ':>9} {'loss':>7} {'s':>6}")
+    for name, r in results.items():
+        eng = f"{r['engine_tau']:.3f}" if "engine_tau" in r else "-"
+        loop = f"{r['engine_tau_loop3']:.3f}" if "engine_tau_loop3" in r else "-"
+        print(f"{name:<20} {r['tau_tv']:>9.3f} {r['sim_tau']:>7.3f} {eng:>9} {loop:>9} {r['loss_last']:>7.3f} "
+              f"{r['seconds']:>6.0f}")
+
+
+if __name__ == "__main__":
+    main()
