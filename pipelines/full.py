@@ -13,11 +13,12 @@ from typing import Any
 
 from components.config import ConfigError, SpeclineConfig
 from components.tracking import Tracker
-from pipelines import data, target, train
+from pipelines import data, evaluate, target, train
 from pipelines.cli import StageFn, main
 
 # Stage name → entry point. Later stages (data, train, eval, serve) register here.
-STAGES: dict[str, StageFn] = {"target": target.run, "data": data.run, "train": train.run}
+STAGES: dict[str, StageFn] = {"target": target.run, "data": data.run, "train": train.run,
+                              "eval": evaluate.run}
 
 
 def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:

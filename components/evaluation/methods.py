@@ -1,0 +1,159 @@
+"""The methods compared by the evaluation stage, one small factory each, looked up by name.
+
+Ours (``components.engine``, timed by the engine itself, prefill included):
+
+* ``target_only``   -- plain decoding, one target pass per token: the reference every speedup
+  and every lossless check is measured against;
+* ``drafter``       -- the speculative engine with the trained drafter;
+* ``prompt_lookup`` -- the speculative engine with the n-gram ``PromptLookupDrafter``.
+
+Peers (transformers' ``generate`` on the same target object, see ``hf.py``):
+
+* ``hf_generate``, ``hf_prompt_lookup``, ``hf_assisted`` (a separate small LM drafts).
+
+A factory gets an :class:`EvalContext` (the loaded parts) and returns a function
+``(prompt_ids, max_new_tokens, seed) -> PromptRun``. What a method needs that is missing (a
+drafter, an assistant) is a :class:`ConfigError` naming the key to set.
+
+Knows the engine and the generate wrappers; nothing about prompts' origin, MLflow or plots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from components.config import ConfigError, EvalConfig
+from components.engine import RULES, PromptLookupDrafter, SpeculativeEngine, target_only_generate
+from components.engine.engine import GenerationResult
+from components.evaluation.hf import hf_generate
+from components.evaluation.metrics import PromptRun
+from components.spec.sampling import SamplingParams
+
+MethodFn = Callable[[list[int], int, int], PromptRun]  # (prompt_ids, max_new_tokens, seed) → run
+REFERENCE = "target_only"
+HF_REFERENCE = "hf_generate"
+
+
+@dataclass
+class EvalContext:
+    """What the methods share: one target, its drafter and assistant (if any), the settings."""
+
+    target: Any  # components.target.Target
+    ev: EvalConfig
+    drafter: Any = None  # a loaded drafter (engine protocol), for "drafter"
+    assistant: Any = None  # an HF causal LM with the target's tokenizer, for "hf_assisted"
+    notes: dict[str, dict[str, Any]] = field(default_factory=dict)  # per method: γ, sizes, ...
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.ev.temperature)
+
+
+def _from_engine(method: str, res: GenerationResult, drafting: bool) -> PromptRun:
+    return PromptRun(method, "", res.tokens, res.total_seconds,
+                     accepted=list(res.accepted) if drafting else [],
+                     drafted=list(res.drafted) if drafting else [], target_forwards=res.target_forwards)
+
+
+def target_only(ctx: EvalContext) -> MethodFn:
+    def run(ids: list[int], n: int, seed: int) -> PromptRun:
+        res = target_only_generate(ctx.target, ids, n, ctx.sampling, seed, rule=ctx.ev.rule)
+        return _from_engine("target_only", res, drafting=False)
+    return run
+
+
+def _engine_method(ctx: EvalContext, name: str, drafter: Any, gamma: int | None) -> MethodFn:
+    engine = SpeculativeEngine(ctx.target, drafter, rule=ctx.ev.rule, num_drafts=gamma)
+    ctx.notes[name] = {"num_drafts": engine.gamma, "rule": ctx.ev.rule}
+
+    def run(ids: list[int], n: int, seed: int) -> PromptRun:
+        return _from_engine(name, engine.generate(ids, n, ctx.sampling, seed), drafting=True)
+    return run
+
+
+def drafter(ctx: EvalContext) -> MethodFn:
+    if ctx.drafter is None:
+        raise ConfigError("eval.drafter_path: method 'drafter' needs a trained drafter; set "
+                          "eval.drafter_path or run the train stage first (or drop it from eval.methods)")
+    run = _engine_method(ctx, "drafter", ctx.drafter, ctx.ev.num_drafts)
+    ctx.notes["drafter"]["parameters"] = int(ctx.drafter.num_parameters())
+    return run
+
+
+def prompt_lookup(ctx: EvalContext) -> MethodFn:
+    ev = ctx.ev
+    lookup = PromptLookupDrafter(ctx.target.vocab_size, ev.lookup_num_drafts, ev.lookup_max_ngram,
+                                 device=ctx.target.device)
+    run = _engine_method(ctx, "prompt_lookup", lookup, ev.lookup_num_drafts)
+    ctx.notes["prompt_lookup"]["max_ngram"] = ev.lookup_max_ngram
+    return run
+
+
+def hf_plain(ctx: EvalContext) -> MethodFn:
+    def run(ids: list[int], n: int, seed: int) -> PromptRun:
+        return hf_generate(ctx.target.model, ids, n, ctx.ev.temperature, seed, method="hf_generate")
+    return run
+
+
+def hf_prompt_lookup(ctx: EvalContext) -> MethodFn:
+    ev = ctx.ev
+    ctx.notes["hf_prompt_lookup"] = {"num_drafts": ev.lookup_num_drafts, "max_ngram": ev.lookup_max_ngram}
+
+    def run(ids: list[int], n: int, seed: int) -> PromptRun:
+        return hf_generate(ctx.target.model, ids, n, ev.temperature, seed, method="hf_prompt_lookup",
+                           prompt_lookup_num_tokens=ev.lookup_num_drafts,
+                           max_matching_ngram_size=ev.lookup_max_ngram)
+    return run
+
+
+def hf_assisted(ctx: EvalContext) -> MethodFn:
+    if ctx.assistant is None:
+        raise ConfigError("eval.assistant: method 'hf_assisted' needs an assistant model with the "
+                          "target's tokenizer; set eval.assistant (or drop hf_assisted from eval.methods)")
+    ev = ctx.ev
+    fields = {"num_assistant_tokens": ev.assistant_num_tokens} if ev.assistant_num_tokens else {}
+    ctx.notes["hf_assisted"] = {"assistant_parameters": sum(p.numel() for p in ctx.assistant.parameters()),
+                                "num_assistant_tokens": ev.assistant_num_tokens or "transformers default"}
+
+    def run(ids: list[int], n: int, seed: int) -> PromptRun:
+        return hf_generate(ctx.target.model, ids, n, ev.temperature, seed, method="hf_assisted",
+                           assistant_model=ctx.assistant, **fields)
+    return run
+
+
+METHODS: dict[str, Callable[[EvalContext], MethodFn]] = {
+    "target_only": target_only, "drafter": drafter, "prompt_lookup": prompt_lookup,
+    "hf_generate": hf_plain, "hf_prompt_lookup": hf_prompt_lookup, "hf_assisted": hf_assisted,
+}
+HF_METHODS = {"hf_generate", "hf_prompt_lookup", "hf_assisted"}
+
+
+def check_methods(ev: EvalConfig) -> list[str]:
+    """The configured methods, reference first; unknown names and bad settings are ConfigErrors."""
+    unknown = [m for m in ev.methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"eval.methods: unknown {unknown}; available: {list(METHODS)}")
+    if len(set(ev.methods)) != len(ev.methods):
+        raise ConfigError(f"eval.methods: {list(ev.methods)} names a method twice")
+    if ev.rule not in RULES:
+        raise ConfigError(f"eval.rule: '{ev.rule}' is not one of {sorted(RULES)}")
+    if ev.rule == "greedy" and ev.temperature > 0:
+        raise ConfigError("eval.temperature: > 0 needs a sampling rule (eval.rule=speculative|block|gumbel); "
+                          "the greedy rule ignores it")
+    for key in ("num_prompts", "max_new_tokens", "lookup_num_drafts", "lookup_max_ngram"):
+        if getattr(ev, key) < 1:
+            raise ConfigError(f"eval.{key}: must be at least 1 (got {getattr(ev, key)})")
+    return [REFERENCE] + [m for m in ev.methods if m != REFERENCE]
+
+
+def exact_methods(ev: EvalConfig, methods: list[str]) -> set[str]:
+    """Methods whose output must equal target_only's token for token under these settings:
+    ours under greedy decoding or Gumbel coupling (output = f(target, seed)); the peers only greedy."""
+    ours = ev.temperature == 0 or ev.rule in ("greedy", "gumbel")
+    return {m for m in methods if (ev.temperature == 0 if m in HF_METHODS else ours)}
+
+
+def build_methods(ctx: EvalContext, methods: list[str]) -> dict[str, MethodFn]:
+    return {name: METHODS[name](ctx) for name in methods}

@@ -1,0 +1,130 @@
+"""Runs every method on the same prompts in one process and checks them against the reference.
+
+Order: one untimed warmup generation per method (first prompt, a few tokens), then prompt by
+prompt every method in turn, the order rotated by one each prompt, so a slow spell of a shared
+machine falls on all methods alike rather than on whichever ran last. torch's CPU thread count
+is set to ``eval.threads`` while timing and restored afterwards.
+
+Lossless: where the output must be a function of (target, seed) (``methods.exact_methods``),
+each method's tokens are compared with target_only's per prompt. A mismatch is kept (prompt,
+first index, both tokens) and explained: the target's logit margin between the two tokens at that
+position, computed afresh; below ``NEAR_TIE`` it is a numerical tie (batched verification and
+one-token decoding round differently), otherwise a real bug (``got = -1``: the output ended
+early, e.g. at a stop token). Mismatches are logged as errors.
+
+Knows methods, metrics and the target's forward; nothing about MLflow or files.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from components.data.prompts import Prompt
+from components.evaluation.methods import (
+    HF_METHODS,
+    HF_REFERENCE,
+    REFERENCE,
+    EvalContext,
+    MethodFn,
+    build_methods,
+    exact_methods,
+)
+from components.evaluation.metrics import (
+    MethodSummary,
+    Mismatch,
+    PromptRun,
+    add_speedups,
+    compare_tokens,
+    summarize,
+)
+
+log = logging.getLogger(__name__)
+NEAR_TIE = 1e-3  # |logit(expected) - logit(got)| below this is a numerical tie
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class EvalReport:
+    """Everything one evaluation measured."""
+
+    prompts: list[Prompt]
+    runs: dict[str, list[PromptRun]]  # method → one run per prompt, in prompt order
+    summaries: dict[str, MethodSummary]
+    notes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def failures(self) -> list[str]:
+        """Methods whose output differed from the reference where it must not."""
+        return [m for m, s in self.summaries.items() if s.lossless is False]
+
+
+def warm_up(methods: dict[str, MethodFn], prompt: Prompt, max_new_tokens: int) -> None:
+    for fn in methods.values():
+        fn(list(prompt.input_ids), min(WARMUP_TOKENS, max_new_tokens), prompt.seed)
+
+
+def time_methods(methods: dict[str, MethodFn], prompts: list[Prompt], max_new_tokens: int) -> dict[str, list[PromptRun]]:
+    """Every method on every prompt, interleaved (rotated order per prompt)."""
+    names = list(methods)
+    runs: dict[str, list[PromptRun]] = {name: [] for name in names}
+    for i, prompt in enumerate(prompts):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            run = methods[name](list(prompt.input_ids), max_new_tokens, prompt.seed)
+            run.method, run.prompt_id = name, prompt.prompt_id
+            runs[name].append(run)
+    return runs
+
+
+@torch.no_grad()
+def logit_margin(target: Any, prompt: Prompt, reference: list[int], m: Mismatch) -> float | None:
+    """The target's logit of the expected token minus the method's at the mismatch position
+    (None when the method's output ended there: nothing to compare)."""
+    if m.got < 0:
+        return None
+    ids = torch.tensor([list(prompt.input_ids) + reference[: m.index]], dtype=torch.long, device=target.device)
+    logits = target.forward(ids).logits[0, -1].float()  # [V]
+    return float(logits[m.expected] - logits[m.got])
+
+
+def check_lossless(target: Any, prompts: list[Prompt], runs: dict[str, list[PromptRun]],
+                   summaries: dict[str, MethodSummary], exact: set[str]) -> None:
+    """Sets ``lossless`` / ``mismatches`` on the summaries of ``exact`` methods; logs failures."""
+    reference = runs[REFERENCE]
+    by_id = {p.prompt_id: p for p in prompts}
+    refs = {r.prompt_id: r.tokens for r in reference}
+    for name in exact:
+        mismatches = compare_tokens(reference, runs[name])
+        for m in mismatches:
+            m.margin = logit_margin(target, by_id[m.prompt_id], refs[m.prompt_id], m)
+            m.near_tie = m.margin is not None and abs(m.margin) < NEAR_TIE
+        summaries[name].lossless = not mismatches
+        summaries[name].mismatches = mismatches
+        if mismatches:
+            ties = sum(bool(m.near_tie) for m in mismatches)
+            log.error("NOT LOSSLESS: %s differs from %s on %d of %d prompts (%d at near-ties, |margin| < %g); "
+                      "first: %s", name, REFERENCE, len(mismatches), len(prompts), ties, NEAR_TIE, mismatches[0])
+
+
+def evaluate(ctx: EvalContext, method_names: list[str], prompts: list[Prompt]) -> EvalReport:
+    """Builds the methods, warms up, times them on ``prompts``, summarizes and checks them."""
+    methods = build_methods(ctx, method_names)
+    threads = torch.get_num_threads()
+    if ctx.ev.threads > 0:
+        torch.set_num_threads(ctx.ev.threads)
+    try:
+        if ctx.ev.warmup:
+            warm_up(methods, prompts[0], ctx.ev.max_new_tokens)
+        runs = time_methods(methods, prompts, ctx.ev.max_new_tokens)
+    finally:
+        torch.set_num_threads(threads)
+    summaries = {name: summarize(name, r) for name, r in runs.items()}
+    add_speedups(summaries, REFERENCE, HF_REFERENCE, HF_METHODS)
+    check_lossless(ctx.target, prompts, runs, summaries, exact_methods(ctx.ev, method_names) - {REFERENCE})
+    for name, notes in ctx.notes.items():
+        if name in summaries:
+            summaries[name].extra.update(notes)
+    return EvalReport(prompts, runs, summaries, dict(ctx.notes))

@@ -1,0 +1,156 @@
+"""Stage ``eval``: the trained drafter in the engine, beside baselines and peers, same prompts.
+
+    python -m pipelines.evaluate conf=dspark.yaml eval.drafter_path=runs/train/drafter
+    python -m pipelines.evaluate conf=dspark.yaml "eval.methods=[target_only,prompt_lookup,hf_generate]"
+
+On ``eval.num_prompts`` held-out prompts (``components.evaluation.prompts``) it runs every method
+of ``eval.methods`` (``components.evaluation.methods``; target_only always, as the reference) in
+this one process, interleaved, and measures τ, acceptance by draft position, tokens/s and the
+speedup over plain decoding of the same target in the same run. Greedy outputs must equal
+target_only's token for token; a method that differs is reported loudly (stderr, ``lossless``
+false, the first mismatch and whether it is a numerical near-tie) but does not stop the stage.
+The train stage's offline τ estimate (``upstream["heldout_tau"]``, α = 1 − TV on held-out
+rollouts) is set beside the τ the engine measures with the same drafter.
+
+Logs to MLflow: ``eval/<method>/{tau,tokens_per_s,speedup,...}`` metrics, ``eval/results.md``
+(tables) and ``eval/results.json``, and plots of acceptance by position and of the speedups.
+Everything is also written under ``eval.output_dir``. Timing runs in-process, not on Ray: a
+speedup is a ratio of two timings that must share one quiet process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from components.config import EMBEDDED_TARGET, ConfigError, SpeclineConfig
+from components.drafters import DrafterError, load_drafter
+from components.evaluation import EvalContext, EvalReport, check_methods, eval_prompts, evaluate
+from components.evaluation import report as rep
+from components.evaluation.assistant import ensure_embedded_assistant, load_assistant
+from components.target import load_target
+from components.target.hf import resolve_target_path
+from components.tracking import Tracker
+from pipelines.cli import main
+
+
+def _drafter(cfg: SpeclineConfig, upstream: dict[str, Any], target: Any, methods: list[str]) -> Any:
+    if "drafter" not in methods:
+        return None
+    path = cfg.eval.drafter_path or upstream.get("drafter_path")
+    if not path:
+        return None  # the "drafter" method names the key to set
+    where = Path(path).expanduser()
+    if not (where / "config.json").is_file():
+        raise ConfigError(f"eval.drafter_path: '{path}' is not a drafter checkpoint directory (no config.json)")
+    try:
+        return load_drafter(where, target).eval()
+    except DrafterError as err:
+        raise ConfigError(f"eval.drafter_path: {err}") from None
+
+
+def _assistant(cfg: SpeclineConfig, target_path: str, target: Any, methods: list[str]) -> tuple[Any, str | None]:
+    name = cfg.eval.assistant
+    if "hf_assisted" not in methods or name in (None, "", "none"):
+        return None, None
+    if name == "auto":
+        if cfg.target.name_or_path != EMBEDDED_TARGET:
+            raise ConfigError("eval.assistant: 'auto' builds an assistant only for the embedded target; "
+                              "set eval.assistant=<HF directory or hub id with the target's tokenizer>")
+        cache = Path(cfg.target.cache_dir).expanduser().resolve()
+        name = str(ensure_embedded_assistant(Path(target_path), cfg.target.tiny, cfg.eval, cache))
+    return load_assistant(name, target), name
+
+
+def offline_vs_engine(upstream: dict[str, Any], report: EvalReport) -> dict[str, Any]:
+    """The train stage's offline τ estimate beside the engine's measured τ of the same drafter."""
+    measured = report.summaries.get("drafter")
+    offline = upstream.get("heldout_tau")
+    out: dict[str, Any] = {"offline_tau": offline, "engine_tau": measured.tau if measured else None,
+                           "offline_alpha": upstream.get("heldout_alpha"),
+                           "engine_acceptance": measured.acceptance_by_position if measured else None}
+    if offline is not None and measured is not None:
+        out["engine_minus_offline_tau"] = measured.tau - offline
+    return out
+
+
+def _markdown(cfg: SpeclineConfig, report: EvalReport, offline: dict[str, Any]) -> str:
+    ev = cfg.eval
+    lines = [(f"# Evaluation: {len(report.prompts)} prompts ({ev.prompt_source}) × {ev.max_new_tokens} new tokens, "
+             f"rule {ev.rule}, temperature {ev.temperature}, {ev.threads or torch.get_num_threads()} thread(s)"),
+             "", rep.summary_table(report), "", rep.acceptance_table(report), ""]
+    if offline["engine_tau"] is not None:
+        est = offline["offline_tau"]
+        lines += ["## Offline estimate vs engine", "",
+                  (f"train stage's held-out τ estimate (α = 1 − TV on its rollouts): "
+                   f"{'not given' if est is None else f'{est:.3f}'}; engine-measured τ of the same drafter "
+                   f"on these prompts: {offline['engine_tau']:.3f}"), ""]
+    lines += ["## Method settings", "", "```", json.dumps(report.notes, indent=1, default=str), "```"]
+    return "\n".join(lines)
+
+
+def _log(tracker: Tracker, cfg: SpeclineConfig, report: EvalReport, offline: dict[str, Any], out: Path) -> None:
+    metrics = rep.flat_metrics(report) | {"eval/prompts": len(report.prompts),
+                                          "eval/lossless_failures": len(report.failures)}
+    for key in ("offline_tau", "engine_tau", "engine_minus_offline_tau"):
+        if isinstance(offline.get(key), (int, float)):
+            metrics[f"eval/{key}"] = offline[key]
+    tracker.log_metrics(metrics)
+    text = _markdown(cfg, report, offline)
+    data = rep.report_dict(report) | {"offline_vs_engine": offline}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(data, indent=1, default=str))
+    tracker.log_text(text, "eval/results.md")
+    tracker.log_dict(json.loads(json.dumps(data, default=str)), "eval/results.json")
+    plots = [rep.plot_acceptance(report, out / "plots" / "acceptance_by_position.png",
+                                 offline.get("offline_alpha")),
+             rep.plot_speedups(report, out / "plots" / "speedups.png")]
+    if any(plots):
+        tracker.log_artifacts(out / "plots", "eval/plots")
+
+
+def _shout(report: EvalReport) -> None:
+    for name in report.failures:
+        s = report.summaries[name]
+        ties = sum(bool(m.near_tie) for m in s.mismatches)
+        print(f"eval: NOT LOSSLESS: {name} differs from target_only on {len(s.mismatches)} of "
+              f"{len(report.prompts)} prompts ({ties} at numerical near-ties); first: {s.mismatches[0]}",
+              file=sys.stderr, flush=True)
+
+
+def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
+    """Returns upstream plus ``eval_dir``, ``eval_results`` and per-method τ / speedup / lossless."""
+    methods = check_methods(cfg.eval)
+    t0 = time.perf_counter()
+    target_path = upstream.get("target_path") or resolve_target_path(cfg.target, progress=True)
+    target = load_target(dataclasses.replace(cfg.target, name_or_path=target_path), progress=False)
+    prompts = eval_prompts(cfg.eval, target.tokenizer, Path(target_path) if Path(target_path).is_dir() else None)
+    assistant, assistant_name = _assistant(cfg, target_path, target, methods)
+    ctx = EvalContext(target, cfg.eval, drafter=_drafter(cfg, upstream, target, methods), assistant=assistant)
+    tracker.log_params({f"eval.{k}": v for k, v in dataclasses.asdict(cfg.eval).items()}
+                       | {"eval.target_path": target_path, "eval.assistant_path": assistant_name})
+    report = evaluate(ctx, methods, prompts)
+    _shout(report)
+    offline = offline_vs_engine(upstream, report)
+    out = Path(cfg.eval.output_dir).expanduser().resolve()
+    _log(tracker, cfg, report, offline, out)
+    s = report.summaries
+    return {**upstream, "eval_dir": str(out), "eval_results": str(out / "results.json"),
+            "eval_methods": methods, "eval_prompts": len(prompts),
+            "eval_tau": {m: v.tau for m, v in s.items()},
+            "eval_tokens_per_s": {m: v.tokens_per_s for m, v in s.items()},
+            "eval_speedup": {m: v.speedup for m, v in s.items()},
+            "eval_lossless": {m: v.lossless for m, v in s.items()},
+            "eval_lossless_failures": report.failures, "eval_offline_tau": offline["offline_tau"],
+            "eval_engine_tau": offline["engine_tau"], "eval_seconds": time.perf_counter() - t0}
+
+
+if __name__ == "__main__":
+    sys.exit(main(run, "eval"))

@@ -1,0 +1,86 @@
+"""Every method on the same prompts: greedy outputs equal target_only's, speedups come from the
+same run, and a method that changes the output is caught and explained."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from components.config import ConfigError, EvalConfig
+from components.drafters import load_drafter
+from components.evaluation import METHODS, EvalContext, check_methods, evaluate
+from components.evaluation.assistant import load_assistant
+from components.evaluation.metrics import PromptRun
+
+NEW = 12
+ALL = ["target_only", "drafter", "prompt_lookup", "hf_generate", "hf_prompt_lookup", "hf_assisted"]
+
+
+def _ctx(tiny_target, tiny_target_build, drafter_path, **ev) -> EvalContext:
+    cfg = EvalConfig(max_new_tokens=NEW, lookup_num_drafts=4, warmup=False, **ev)
+    # The assistant only has to share the tokenizer: the fixture target itself, loaded again.
+    return EvalContext(tiny_target, cfg, drafter=load_drafter(drafter_path, tiny_target).eval(),
+                       assistant=load_assistant(str(tiny_target_build[0]), tiny_target))
+
+
+def test_all_methods_greedy_lossless_with_speedups(tiny_target, tiny_target_build, drafter_path, eval_prompt_list):
+    ctx = _ctx(tiny_target, tiny_target_build, drafter_path)
+    report = evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+    assert list(report.summaries) == ALL and report.failures == []
+    for name, s in report.summaries.items():
+        assert s.new_tokens == NEW * len(eval_prompt_list) and s.tokens_per_s > 0
+        assert s.lossless is (None if name == "target_only" else True), name
+        assert s.speedup == pytest.approx(s.tokens_per_s / report.summaries["target_only"].tokens_per_s)
+    assert report.summaries["target_only"].tau == 1.0 and report.summaries["drafter"].rounds > 0
+    assert report.summaries["hf_assisted"].speedup_vs_hf_generate is not None
+    assert report.summaries["drafter"].extra["num_drafts"] == 4  # block_size 4 DSpark
+    # the assistant is the target itself: every draft it proposes is accepted
+    assisted = report.summaries["hf_assisted"]
+    assert assisted.acceptance_by_position and min(assisted.acceptance_by_position) == 1.0
+
+
+def test_a_method_that_changes_the_output_is_not_lossless(tiny_target, tiny_target_build, drafter_path,
+                                                          eval_prompt_list, monkeypatch, caplog):
+    def broken(ctx):
+        def run(ids, n, seed):
+            tokens = METHODS["target_only"](ctx)(ids, n, seed).tokens
+            tokens[3] = (tokens[3] + 1) % ctx.target.vocab_size
+            return PromptRun("prompt_lookup", "", tokens, 1.0)
+        return run
+
+    monkeypatch.setitem(METHODS, "prompt_lookup", broken)
+    ctx = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["target_only", "prompt_lookup"])
+    with caplog.at_level(logging.ERROR):
+        report = evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+    s = report.summaries["prompt_lookup"]
+    assert report.failures == ["prompt_lookup"] and s.lossless is False
+    assert [m.index for m in s.mismatches] == [3] * len(eval_prompt_list)
+    assert all(m.margin is not None and m.margin > 0 and m.near_tie is False for m in s.mismatches)
+    assert "NOT LOSSLESS: prompt_lookup" in caplog.text
+
+
+def test_sampled_rules_are_not_checked_token_for_token(tiny_target, tiny_target_build, drafter_path,
+                                                       eval_prompt_list):
+    ctx = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["drafter", "prompt_lookup"],
+               rule="speculative", temperature=0.8)
+    report = evaluate(ctx, check_methods(ctx.ev), eval_prompt_list[:1])
+    assert report.summaries["drafter"].lossless is None and report.summaries["drafter"].new_tokens == NEW
+
+
+@pytest.mark.parametrize("ev, key", [
+    (EvalConfig(methods=["target_only", "nope"]), "eval.methods"),
+    (EvalConfig(rule="greedy", temperature=0.5), "eval.temperature"),
+    (EvalConfig(rule="beam"), "eval.rule"),
+    (EvalConfig(max_new_tokens=0), "eval.max_new_tokens"),
+])
+def test_bad_settings_name_their_key(ev, key):
+    with pytest.raises(ConfigError, match=key):
+        check_methods(ev)
+
+
+def test_missing_drafter_or_assistant_names_the_key(tiny_target, eval_prompt_list):
+    for method, key in (("drafter", "eval.drafter_path"), ("hf_assisted", "eval.assistant")):
+        ctx = EvalContext(tiny_target, EvalConfig(methods=[method]))
+        with pytest.raises(ConfigError, match=key):
+            evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)

@@ -1,0 +1,84 @@
+"""The eval stage end to end on the fixture target: every method on the same held-out prompts,
+results and plots in MLflow, the offline τ beside the measured one, clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from components.config import ConfigError, DrafterConfig, EvalConfig, SpeclineConfig
+from components.tracking import Tracker
+from pipelines import evaluate, full
+
+EVAL = EvalConfig(num_prompts=2, max_new_tokens=10, lookup_num_drafts=4, threads=1)
+
+
+@pytest.fixture(scope="module")
+def saved_drafter(tmp_path_factory, tiny_target) -> Path:
+    from components.drafters import build_drafter, save_drafter
+
+    torch.manual_seed(0)
+    drafter = build_drafter(DrafterConfig(name="dspark", num_layers=1, block_size=4, markov_rank=8), tiny_target)
+    return save_drafter(drafter, tmp_path_factory.mktemp("eval-stage") / "drafter")
+
+
+def _cfg(spec_cfg: SpeclineConfig, tiny_target_build, **ev) -> SpeclineConfig:
+    # The fixture target, loaded again, serves as hf_assisted's assistant (same tokenizer).
+    ev = {"assistant": str(tiny_target_build[0]), "output_dir": str(Path(spec_cfg.run_dir) / "eval"), **ev}
+    return dataclasses.replace(spec_cfg, eval=dataclasses.replace(EVAL, **ev))
+
+
+@pytest.mark.slow
+def test_eval_stage_logs_tables_plots_and_offline_vs_engine(spec_cfg, tiny_target_build, saved_drafter):
+    cfg = _cfg(spec_cfg, tiny_target_build)
+    tracker = Tracker(cfg)
+    upstream = {"drafter_path": str(saved_drafter), "heldout_tau": 1.4, "heldout_alpha": [0.3, 0.1, 0.05, 0.01]}
+    with tracker.run("eval") as run_id:
+        out = evaluate.run(cfg, tracker, upstream)
+    assert out["eval_lossless_failures"] == [] and out["eval_prompts"] == 2
+    assert set(out["eval_speedup"]) == set(EVAL.methods) and out["eval_speedup"]["target_only"] == 1.0
+    assert out["eval_offline_tau"] == 1.4 and out["eval_engine_tau"] >= 1.0
+    assert all(out["eval_lossless"][m] for m in EVAL.methods if m != "target_only")
+
+    client = MlflowClient(f"sqlite:///{Path(cfg.run_dir) / 'mlflow.db'}")
+    metrics = client.get_run(run_id).data.metrics
+    for m in EVAL.methods:
+        assert {f"eval/{m}/tau", f"eval/{m}/tokens_per_s", f"eval/{m}/speedup"} <= set(metrics), m
+    assert {"eval/offline_tau", "eval/engine_tau", "eval/drafter/acceptance/1"} <= set(metrics)
+    logged = {a.path for a in client.list_artifacts(run_id, "eval")}
+    assert {"eval/results.md", "eval/results.json", "eval/plots"} <= logged
+    plots = {a.path for a in client.list_artifacts(run_id, "eval/plots")}
+    assert plots == {"eval/plots/acceptance_by_position.png", "eval/plots/speedups.png"}
+    results = json.loads((Path(out["eval_dir"]) / "results.json").read_text())
+    assert results["offline_vs_engine"]["offline_tau"] == 1.4
+    assert "| drafter |" in (Path(out["eval_dir"]) / "results.md").read_text()
+
+
+def test_eval_is_a_pipeline_stage():
+    assert full.STAGES["eval"] is evaluate.run
+
+
+@pytest.mark.parametrize("ev, upstream, key", [
+    ({"methods": ["target_only", "medusa_magic"]}, {}, "eval.methods"),
+    ({"methods": ["target_only", "drafter"]}, {}, "eval.drafter_path"),
+    ({"methods": ["drafter"], "drafter_path": "/nonexistent/drafter"}, {}, "eval.drafter_path"),
+    ({"methods": ["hf_assisted"], "assistant": None}, {}, "eval.assistant"),
+])
+def test_bad_settings_stop_with_the_key_named(spec_cfg, tiny_target_build, ev, upstream, key):
+    cfg = _cfg(dataclasses.replace(spec_cfg, tracking=dataclasses.replace(spec_cfg.tracking, enabled=False)),
+               tiny_target_build, **ev)
+    with pytest.raises(ConfigError, match=key):
+        evaluate.run(cfg, Tracker(cfg), upstream)
+
+
+def test_unknown_method_on_the_command_line_is_one_line(capsys):
+    from pipelines.cli import main
+
+    argv = ["conf=dspark.yaml", "eval.methods=[target_only,nope]", "tracking.enabled=false"]
+    assert main(evaluate.run, "eval", argv) == 2
+    assert "error: eval.methods: unknown ['nope']" in capsys.readouterr().err
