@@ -188,7 +188,8 @@ class EvalConfig:
     # target_only | drafter | prompt_lookup (our engine) | hf_generate | hf_prompt_lookup |
     # hf_assisted (transformers' generate, the peers). Speedups are against target_only.
     methods: list[str] = field(default_factory=lambda: [
-        "target_only", "drafter", "prompt_lookup", "hf_generate", "hf_prompt_lookup", "hf_assisted"])
+        "target_only", "drafter", "drafter_dloop", "prompt_lookup", "hf_generate", "hf_prompt_lookup",
+        "hf_assisted"])
     # "embedded": the embedded target's *held-out* split (chat turns + document windows);
     # otherwise a prompt file or "hf:<dataset>[:split]" as in data.prompt_source.
     prompt_source: str = "embedded"
@@ -202,6 +203,8 @@ class EvalConfig:
     seed: int = 0  # per-prompt seeds derive from this and the prompt id
     drafter_path: str | None = None  # None: the train stage's drafter (upstream drafter_path)
     num_drafts: int | None = None  # γ of the trained drafter; None: its own default
+    loop_stages: int = 3  # drafter_dloop: at most this many drafting stages per round (DLoop)
+    loop_gate: float = -1.0  # drafter_dloop: another stage while Σ log q(stage drafts) ≥ this
     lookup_num_drafts: int = 7  # γ of prompt lookup (ours and transformers')
     lookup_max_ngram: int = 3  # longest n-gram prompt lookup matches
     # hf_assisted's assistant: "auto" = for the embedded target, a smaller LM pretrained on its

@@ -64,22 +64,34 @@ def target_only(ctx: EvalContext) -> MethodFn:
     return run
 
 
-def _engine_method(ctx: EvalContext, name: str, drafter: Any, gamma: int | None) -> MethodFn:
-    engine = SpeculativeEngine(ctx.target, drafter, rule=ctx.ev.rule, num_drafts=gamma)
-    ctx.notes[name] = {"num_drafts": engine.gamma, "rule": ctx.ev.rule}
+def _engine_method(ctx: EvalContext, name: str, drafter: Any, gamma: int | None, **loop: Any) -> MethodFn:
+    engine = SpeculativeEngine(ctx.target, drafter, rule=ctx.ev.rule, num_drafts=gamma, **loop)
+    ctx.notes[name] = {"num_drafts": engine.gamma, "rule": ctx.ev.rule, **loop}
 
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
         return _from_engine(name, engine.generate(ids, n, ctx.sampling, seed), drafting=True)
     return run
 
 
-def drafter(ctx: EvalContext) -> MethodFn:
+def _trained(ctx: EvalContext, method: str) -> Any:
     if ctx.drafter is None:
-        raise ConfigError("eval.drafter_path: method 'drafter' needs a trained drafter; set "
+        raise ConfigError(f"eval.drafter_path: method '{method}' needs a trained drafter; set "
                           "eval.drafter_path or run the train stage first (or drop it from eval.methods)")
-    run = _engine_method(ctx, "drafter", ctx.drafter, ctx.ev.num_drafts)
+    return ctx.drafter
+
+
+def drafter(ctx: EvalContext) -> MethodFn:
+    run = _engine_method(ctx, "drafter", _trained(ctx, "drafter"), ctx.ev.num_drafts)
     ctx.notes["drafter"]["parameters"] = int(ctx.drafter.num_parameters())
     return run
+
+
+def drafter_dloop(ctx: EvalContext) -> MethodFn:
+    """The trained drafter with DLoop multi-stage drafting (several blocks per verification)."""
+    if ctx.ev.loop_stages < 2:
+        raise ConfigError(f"eval.loop_stages: drafter_dloop needs at least 2 (got {ctx.ev.loop_stages})")
+    return _engine_method(ctx, "drafter_dloop", _trained(ctx, "drafter_dloop"), ctx.ev.num_drafts,
+                          loop_stages=ctx.ev.loop_stages, loop_gate=ctx.ev.loop_gate)
 
 
 def prompt_lookup(ctx: EvalContext) -> MethodFn:
@@ -124,7 +136,7 @@ def hf_assisted(ctx: EvalContext) -> MethodFn:
 
 
 METHODS: dict[str, Callable[[EvalContext], MethodFn]] = {
-    "target_only": target_only, "drafter": drafter, "prompt_lookup": prompt_lookup,
+    "target_only": target_only, "drafter": drafter, "drafter_dloop": drafter_dloop, "prompt_lookup": prompt_lookup,
     "hf_generate": hf_plain, "hf_prompt_lookup": hf_prompt_lookup, "hf_assisted": hf_assisted,
 }
 HF_METHODS = {"hf_generate", "hf_prompt_lookup", "hf_assisted"}

@@ -14,7 +14,7 @@ from components.evaluation.assistant import load_assistant
 from components.evaluation.metrics import PromptRun
 
 NEW = 12
-ALL = ["target_only", "drafter", "prompt_lookup", "hf_generate", "hf_prompt_lookup", "hf_assisted"]
+ALL = ["target_only", "drafter", "drafter_dloop", "prompt_lookup", "hf_generate", "hf_prompt_lookup", "hf_assisted"]
 
 
 def _ctx(tiny_target, tiny_target_build, drafter_path, **ev) -> EvalContext:
@@ -35,6 +35,7 @@ def test_all_methods_greedy_lossless_with_speedups(tiny_target, tiny_target_buil
     assert report.summaries["target_only"].tau == 1.0 and report.summaries["drafter"].rounds > 0
     assert report.summaries["hf_assisted"].speedup_vs_hf_generate is not None
     assert report.summaries["drafter"].extra["num_drafts"] == 4  # block_size 4 DSpark
+    assert report.summaries["drafter_dloop"].extra["loop_stages"] == 3
     # the assistant is the target itself: every draft it proposes is accepted
     assisted = report.summaries["hf_assisted"]
     assert assisted.acceptance_by_position and min(assisted.acceptance_by_position) == 1.0
@@ -80,7 +81,8 @@ def test_bad_settings_name_their_key(ev, key):
 
 
 def test_missing_drafter_or_assistant_names_the_key(tiny_target, eval_prompt_list):
-    for method, key in (("drafter", "eval.drafter_path"), ("hf_assisted", "eval.assistant")):
+    for method, key in (("drafter", "eval.drafter_path"), ("drafter_dloop", "eval.drafter_path"),
+                        ("hf_assisted", "eval.assistant")):
         ctx = EvalContext(tiny_target, EvalConfig(methods=[method]))
         with pytest.raises(ConfigError, match=key):
             evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
