@@ -16,7 +16,7 @@ from tests.components.engine.test_engine_greedy import MAX_NEW, prompts
 from tests.components.engine.test_engine_sampling import (
     FixedQDrafter,
     chi_square_p_value,
-    exact_sequence_probs,
+    expected_and_q,
     prompt_of,
 )
 
@@ -65,11 +65,7 @@ def test_dloop_sampled_sequences_follow_target(tiny_target):
     prefill's, two drafts and the bonus/recovered one, then more), top-k 2: 16 outcomes."""
     prompt, length, n = prompt_of(tiny_target), 4, 300
     sampling = SamplingParams(temperature=1.0, top_k=2)
-    expected = exact_sequence_probs(tiny_target, prompt, sampling, length)
-    support = sorted({t for seq in expected for t in seq})
-    outside = next(t for t in range(tiny_target.vocab_size) if t not in support)
-    q = torch.zeros(tiny_target.vocab_size)
-    q[support + [outside]] = 1.0 / (len(support) + 1)
+    expected, q = expected_and_q(tiny_target, prompt, sampling, length)
     engine = SpeculativeEngine(tiny_target, LoopingFixedQ(q, 1), rule="speculative", loop_stages=2,
                                loop_gate=float("-inf"))
     counts: dict[tuple, int] = {}

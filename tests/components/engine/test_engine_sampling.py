@@ -84,6 +84,17 @@ class FixedQDrafter(TokenDrafter):
         return Proposal(tokens, probs.log(), probs, None)
 
 
+def expected_and_q(target, prompt: list[int], sampling: SamplingParams, length: int) -> tuple[dict, torch.Tensor]:
+    """Exact sequence probabilities, and a draft q uniform over the tokens they use plus one
+    token the target never emits (so accepted, recovered and bonus tokens all occur)."""
+    expected = exact_sequence_probs(target, prompt, sampling, length)
+    support = sorted({t for seq in expected for t in seq})
+    outside = next(t for t in range(target.vocab_size) if t not in support)
+    q = torch.zeros(target.vocab_size)
+    q[support + [outside]] = 1.0 / (len(support) + 1)
+    return expected, q
+
+
 @pytest.mark.parametrize("rule", ["speculative", "block"])
 def test_sampled_sequences_follow_target(tiny_target, rule):
     """3 new tokens (the prefill's, then a draft slot and its bonus, or a recovered token and one
@@ -92,11 +103,7 @@ def test_sampled_sequences_follow_target(tiny_target, rule):
     target forwards, so n is kept small; the power check below shows what it can detect."""
     prompt, length, n = prompt_of(tiny_target), 3, 300
     sampling = SamplingParams(temperature=1.0, top_k=2)
-    expected = exact_sequence_probs(tiny_target, prompt, sampling, length)
-    support = sorted({t for seq in expected for t in seq})
-    outside = next(t for t in range(tiny_target.vocab_size) if t not in support)
-    q = torch.zeros(tiny_target.vocab_size)
-    q[support + [outside]] = 1.0 / (len(support) + 1)
+    expected, q = expected_and_q(tiny_target, prompt, sampling, length)
     engine = SpeculativeEngine(tiny_target, FixedQDrafter(q, 2), rule=rule)
     counts: dict[tuple, int] = {}
     accepted = drafted = full = 0
