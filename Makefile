@@ -40,7 +40,7 @@ run: install
 	$(BIN)/python -m pipelines.full conf=$(CONF)
 
 test: install vllm-env
-	$(BIN)/python -m pytest -q -m "not vllm"
+	$(BIN)/python -m pytest -q -m "not vllm" --durations=10
 	SPECLINE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -m vllm
 
 test-fast: install

@@ -12,7 +12,8 @@ through the target yet)::
     state = drafter.consume(state, tokens[:, :n-1], hidden[:, :n-1])  # context grows to n-1
     prop  = drafter.propose(state, last_token=x[:, n-1])              # drafts x_n .. x_{n+γ-1}
     ... verify, then consume the newly verified positions (or rollback(state, accepted_len)
-    after consuming speculative ones).
+    after consuming speculative ones); with carryover, then
+    state = drafter.with_carry(state, hidden_rejected, state.length)  # read by the next propose
 
 Trainer protocol: ``drafter.training_forward(DraftBatch) -> DraftTrainOutput`` whose
 ``loss_inputs()`` is exactly what :mod:`components.losses` consumes. Draft j of a block anchored
@@ -113,11 +114,18 @@ class DraftTrainOutput:
 
 @dataclass
 class DraftState:
-    """A batch's drafter context: everything is per committed position, so rollback = crop."""
+    """A batch's drafter context: everything is per committed position, so rollback = crop.
+
+    ``carry`` is carryover context (methods-notes §3): K/V rows of the target's states of the
+    drafts the last verification rejected, at their original positions length.. . They are
+    valid for one round only: never counted in ``length``, dropped by ``consume``,
+    ``consume_own`` and ``rollback``; only the next ``propose`` reads them."""
 
     length: int = 0  # committed context positions (tokens 0..length-1 consumed)
     kv: list[KV] = field(default_factory=list)  # per attention layer: k, v [B, h_kv, length, d]
     feats: Tensor | None = None  # [B, length, F] per-position features a drafter keeps
+    carry: list[KV] | None = None  # per attention layer: k, v [B, h_kv, carry_rows, d] (one round)
+    carry_rows: int = 0  # rows in ``carry`` (0: no carryover context)
 
 
 @dataclass
@@ -261,6 +269,19 @@ class Drafter(nn.Module, ABC):
     def consume_own(self, state: DraftState, states: Tensor) -> DraftState:
         """DLoop: appends the drafter's own states [B, k, H] of unverified positions as context."""
         raise DrafterError(f"drafter '{self.cfg.name}' cannot use its own states as context (DLoop)")
+
+    @property
+    def supports_carryover(self) -> bool:
+        """Whether ``with_carry`` works (the drafter has a carryover embedding)."""
+        return False
+
+    def with_carry(self, state: DraftState, hidden_rej: Tensor, start_position: int) -> DraftState:
+        """Carryover: the state plus temporary context rows from the target taps hidden_rej
+        [B, k, n, H] of the last round's rejected drafts, at positions start_position.. (read by
+        the next ``propose`` only; k = 0 gives no carryover context)."""
+        raise DrafterError(f"drafter '{self.cfg.name}' ({type(self).__name__}) cannot read rejected target "
+                           "states (carryover): only block drafters (dflash, dspark) built with "
+                           "drafter.carryover=true can")
 
     def num_parameters(self) -> int:
         """Trainable parameters, excluding the target's shared frozen parts."""

@@ -208,16 +208,48 @@ class DFlashDrafter(Drafter):
         ids = torch.full((b, bs), int(self.cfg.mask_token_id), dtype=torch.long, device=last_token.device)
         ids[:, 0] = last_token
         positions = state.length + torch.arange(bs, device=ids.device).expand(b, bs)
-        z = self.backbone(self.embed(ids), positions, state.kv, None)
+        z = self.backbone(self.embed(ids), positions, self.propose_context(state), None)
         z = z[:, self.first_slot:self.first_slot + gamma]  # [B, γ, H]
         proposal = self.sample_readout(z, last_token, sampling, generator)
         proposal.states = z
         return proposal
 
+    def propose_context(self, state: DraftState) -> list[KV]:
+        """The K/V a block reads: committed rows [B, h_kv, length, d] then any carryover rows
+        [B, h_kv, carry_rows, d] (batch 1: the block sees all of them, no mask needed)."""
+        if not state.carry_rows or not state.carry:
+            return state.kv
+        if not state.kv:
+            return state.carry
+        return [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(state.kv, state.carry)]
+
+    @property
+    def supports_carryover(self) -> bool:
+        return getattr(self, "carry_embed", None) is not None
+
+    def with_carry(self, state: DraftState, hidden_rej: Tensor, start_position: int) -> DraftState:
+        """Carryover rows from the target taps hidden_rej [B, k, n, H] of rejected drafts:
+        ``features_kv(fuse(hidden_rej + E_carry))`` at positions start_position..+k-1, exactly as
+        the carryover objective builds them; any earlier carry is replaced, k = 0 clears it."""
+        if not self.supports_carryover:
+            raise DrafterError(f"drafter '{self.cfg.name}' has no carryover embedding: build or load it with "
+                               "drafter.carryover=true (and train it with the 'carryover' objective)")
+        b, k, n, h = hidden_rej.shape
+        if k > self.block_drafts:
+            raise DrafterError(f"carryover context is bounded by one block ({self.block_drafts} rows), got {k}")
+        if k == 0:
+            return DraftState(state.length, state.kv, state.feats)
+        x = hidden_rej.to(self.backbone.fc.weight.dtype) + self.carry_embed.view(n, h)  # [B, k, n, H]
+        positions = start_position + torch.arange(k, device=hidden_rej.device).expand(b, k)
+        carry = self.backbone.features_kv(self.backbone.fuse(x), positions)
+        return DraftState(state.length, state.kv, state.feats, carry, k)
+
     def consume_own(self, state: DraftState, states: Tensor) -> DraftState:
         """DLoop: the draft slots' own states [B, k, H] become context rows at positions
         state.length.. (in the fused-feature slot, as if they were target features); rollback
-        crops them like any other row."""
+        crops them like any other row. Carryover rows are dropped: only the round's first stage
+        (the re-draft block the carryover objective trains) reads them; later stages see the
+        committed and own rows, as DLoop trains them."""
         b, k = states.shape[:2]
         positions = state.length + torch.arange(k, device=states.device).expand(b, k)
         new = self.backbone.features_kv(states.to(self.backbone.fc.weight.dtype), positions)

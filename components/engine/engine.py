@@ -10,7 +10,17 @@ gpt-fast style verbs, one step each::
                 decides the accepted tokens and the next (recovered or bonus) token;
     accept   -- crop the target cache to the committed length (``DynamicCache.crop``) and feed
                 the verified positions' hidden states, already computed by ``verify``, to the
-                drafter. Accepted tokens are never recomputed.
+                drafter. Accepted tokens are never recomputed. With carryover, the target's
+                states of the rejected drafts (also computed by ``verify``) become the drafter's
+                temporary context for the next round's first block (``with_carry``).
+
+Carryover bookkeeping, for a round anchored at a = n-1 (x_{n-1} at position a) that drafts
+d_1..d_G and accepts m < G: verify's input [x_{n-1}, d_1..d_G] sits at positions a..a+G, so
+d_{m+1}.. are verify-hidden rows m+1.. at positions a+m+1..; after consuming x_{n-1}, d_1..d_m
+the drafter holds a+m+1 positions and the next block is anchored at a+m+1 (the recovered
+token). The first min(G-m, γ) rejected rows are attached at positions a+m+1.. -- the layout
+the carryover objective trains (rows at a+m+1..a+γ, re-draft anchored at a+m+1). A full accept
+attaches none. DLoop's later stages drop them (see ``DFlashDrafter.consume_own``).
 
 Invariant between rounds, for committed tokens x_0..x_{n-1}: the target cache and the drafter
 state hold n-1 positions; x_{n-1} (the last emitted token) has not been through the target.
@@ -20,7 +30,9 @@ Limitations (left for later):
 * batch size 1 only: ``DraftState`` carries one committed length for the whole batch, and
   requests of different lengths accept different counts per round; batching needs per-row
   lengths (ragged caches or padding + per-row position ids) in the drafter protocol too;
-* chains only (no token trees), no carryover, no draft-length scheduler (γ is fixed, shortened only so as not to overshoot ``max_new_tokens``);
+* chains only (no token trees), no draft-length scheduler (γ is fixed, shortened only so as not
+  to overshoot ``max_new_tokens``);
+* carryover rows are read by the next round's first block only, at most γ of them (one block);
 * no stop tokens: generation runs for exactly ``max_new_tokens`` tokens.
 
 The engine knows nothing about tokenization (token id lists in and out), drafter families
@@ -54,6 +66,9 @@ class EngineDrafter(Protocol):
     def propose(self, state: Any, last_token: Tensor, sampling: SamplingParams = ...,
                 generator: torch.Generator | None = ..., num_drafts: int | None = ...) -> Proposal: ...
 
+    # Optional: ``consume_own`` (DLoop, loop_stages > 1); ``supports_carryover`` and
+    # ``with_carry(state, hidden_rejected [1, k, n, H], start_position)`` (carryover=True).
+
 
 @dataclass
 class GenerationResult:
@@ -63,6 +78,7 @@ class GenerationResult:
     rounds: int = 0  # draft-verify rounds (target-only: decoding steps)
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per round
     drafted: list[int] = field(default_factory=list)  # draft tokens proposed per round (γ)
+    carried: list[int] = field(default_factory=list)  # carryover rows the round's first block read
     target_forwards: int = 0  # target forward passes, prefill included
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -84,6 +100,7 @@ class Sequence:
     last_token: Tensor  # [1] long, x_{n-1}
     length: int  # n: committed tokens, prompt included
     new_tokens: list[int]
+    carry_rows: int = 0  # carryover rows in draft_state (rejected drafts of the last round)
 
 
 def _sync(device: torch.device) -> None:
@@ -112,10 +129,12 @@ class SpeculativeEngine:
     """Draft-verify rounds of ``drafter`` against ``target`` under one acceptance rule."""
 
     def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_drafts: int | None = None,
-                 loop_stages: int = 1, loop_gate: float = -0.5):
+                 loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False):
         """``loop_stages`` > 1 turns on DLoop multi-stage drafting: after a stage whose drafted
         tokens' summed drafter log-probability is ≥ ``loop_gate``, the drafter drafts another
-        block on its own states (``consume_own``), up to ``loop_stages`` blocks per round."""
+        block on its own states (``consume_own``), up to ``loop_stages`` blocks per round.
+        ``carryover`` hands the target's states of each round's rejected drafts to the drafter
+        (``with_carry``) as context for the next round's first block."""
         self.target = target
         self.drafter = drafter
         self.rule: Rule = get_rule(rule)
@@ -124,6 +143,11 @@ class SpeculativeEngine:
         if loop_stages < 1:
             raise ValueError(f"loop_stages must be >= 1, got {loop_stages}")
         self.loop_stages, self.loop_gate = int(loop_stages), float(loop_gate)
+        if carryover and not getattr(drafter, "supports_carryover", False):
+            name = getattr(getattr(drafter, "cfg", None), "name", type(drafter).__name__)
+            raise ValueError(f"carryover=True: drafter '{name}' cannot read rejected target states; it needs a "
+                             "block drafter (dflash, dspark) built with drafter.carryover=true")
+        self.carryover = bool(carryover)
 
     # ------------------------------------------------------------------ steps
     def prefill(self, prompt: Tensor, rnd: RoundRandomness) -> Sequence:
@@ -178,9 +202,16 @@ class SpeculativeEngine:
         crop_cache(cache, committed)
         tokens = torch.cat([seq.last_token[:, None], drafts[:, :a]], dim=1)  # [1, a+1]
         kept = hidden[:, : a + 1] if hidden is not None else None
-        state = self.drafter.consume(seq.draft_state, tokens, kept)
+        state = self.drafter.consume(seq.draft_state, tokens, kept)  # drops any earlier carry
+        rows = 0
+        if self.carryover and hidden is not None:
+            # [1, rows, n, H]: the rejected d_{m+1}.. (m = a accepted), at positions committed..
+            rejected = hidden[:, a + 1:a + 1 + self.gamma]
+            rows = rejected.shape[1]
+            if rows:
+                state = self.drafter.with_carry(state, rejected, committed)
         emitted = drafts[0, :a].tolist() + [int(result.next_token[0])]
-        return Sequence(cache, state, result.next_token, committed + 1, seq.new_tokens + emitted)
+        return Sequence(cache, state, result.next_token, committed + 1, seq.new_tokens + emitted, rows)
 
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
@@ -203,6 +234,7 @@ class SpeculativeEngine:
         """One draft-verify-accept round, timed into ``res``."""
         dev = seq.last_token.device
         gamma = max(1, min(self.gamma * self.loop_stages, remaining - 1))  # a round emits up to γ+1 tokens
+        carried = seq.carry_rows
         t0 = time.perf_counter()
         prop, drafts = self.draft(seq, gamma, rnd)
         _sync(dev)
@@ -216,6 +248,7 @@ class SpeculativeEngine:
         res.target_forwards += 1
         res.accepted.append(int(result.num_accepted[0]))
         res.drafted.append(drafts.shape[1])
+        res.carried.append(carried)
         return seq
 
 
