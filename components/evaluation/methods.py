@@ -77,11 +77,14 @@ def _trained(ctx: EvalContext, method: str) -> Any:
     if ctx.drafter is None:
         raise ConfigError(f"eval.drafter_path: method '{method}' needs a trained drafter; set "
                           "eval.drafter_path or run the train stage first (or drop it from eval.methods)")
+    if ctx.ev.carryover and not getattr(ctx.drafter, "supports_carryover", False):
+        raise ConfigError(f"eval.carryover: the drafter '{ctx.drafter.cfg.name}' was not trained with the "
+                          "carryover objective (no carryover embedding); set eval.carryover=false")
     return ctx.drafter
 
 
 def drafter(ctx: EvalContext) -> MethodFn:
-    run = _engine_method(ctx, "drafter", _trained(ctx, "drafter"), ctx.ev.num_drafts)
+    run = _engine_method(ctx, "drafter", _trained(ctx, "drafter"), ctx.ev.num_drafts, carryover=ctx.ev.carryover)
     ctx.notes["drafter"]["parameters"] = int(ctx.drafter.num_parameters())
     return run
 
@@ -91,7 +94,7 @@ def drafter_dloop(ctx: EvalContext) -> MethodFn:
     if ctx.ev.loop_stages < 2:
         raise ConfigError(f"eval.loop_stages: drafter_dloop needs at least 2 (got {ctx.ev.loop_stages})")
     return _engine_method(ctx, "drafter_dloop", _trained(ctx, "drafter_dloop"), ctx.ev.num_drafts,
-                          loop_stages=ctx.ev.loop_stages, loop_gate=ctx.ev.loop_gate)
+                          loop_stages=ctx.ev.loop_stages, loop_gate=ctx.ev.loop_gate, carryover=ctx.ev.carryover)
 
 
 def prompt_lookup(ctx: EvalContext) -> MethodFn:

@@ -86,3 +86,9 @@ def test_missing_drafter_or_assistant_names_the_key(tiny_target, eval_prompt_lis
         ctx = EvalContext(tiny_target, EvalConfig(methods=[method]))
         with pytest.raises(ConfigError, match=key):
             evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+
+
+def test_carryover_needs_a_carryover_trained_drafter(tiny_target, tiny_target_build, drafter_path, eval_prompt_list):
+    ctx = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["drafter"], carryover=True)
+    with pytest.raises(ConfigError, match="eval.carryover"):
+        evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
