@@ -12,12 +12,13 @@ split). Variants:
 * loss: dspark trained with lk_hybrid and with bv instead of the DSpark mix;
 * storage: dspark on the same rollouts re-encoded to int8 (per-row absmax) instead of float16;
 * chain: the offline dspark drafter continued for ``--extra`` steps with a fresh optimizer by
-  offline (the control), opd, carryover or dloop — equal total steps for all four.
+  offline (the control), opd, carryover or dloop — equal total steps for all four (``--chain``
+  picks some of them).
 
 Reported per variant: held-out τ from distributions (1 − TV, random anchors), simulated greedy
 τ (rounds where they start, greedy drafts against the recorded tokens) and, for the chain
-variants, the engine's measured τ on held-out prompts (greedy, γ = block; dloop also with 3
-loop stages, gate ``--gate``). Prints a table and writes ``--out`` (JSON). Nothing is asserted.
+variants, the engine's measured τ on held-out prompts (greedy, γ = block; offline and dloop
+also with 3 loop stages, gate ``--gate``; carryover also with carryover context on). Prints a table and writes ``--out`` (JSON). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gate", type=float, default=-1.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default="", help="comma list of groups: drafter,loss,storage,chain")
+    ap.add_argument("--chain", default=",".join(EXTRA_LOSS), help="comma list of chained objectives to compare")
     ap.add_argument("--out", default="bench-objectives.json")
     return ap.parse_args()
 
@@ -108,9 +110,11 @@ def heldout_eval(drafter: Any, records: list[Record]) -> dict[str, float]:
     return {"tau_tv": ev["tau"], "sim_tau": ev["sim_tau"], "sim_alpha": [round(a, 3) for a in ev["sim_alpha"]]}
 
 
-def engine_tau(target: Any, drafter: Any, records: list[Record], args: argparse.Namespace, loop: int) -> float:
+def engine_tau(target: Any, drafter: Any, records: list[Record], args: argparse.Namespace, loop: int,
+               carryover: bool = False) -> float:
     """Measured greedy τ of the engine on held-out prompts (the records' prompts)."""
-    engine = SpeculativeEngine(target, drafter, rule="greedy", loop_stages=loop, loop_gate=args.gate)
+    engine = SpeculativeEngine(target, drafter, rule="greedy", loop_stages=loop, loop_gate=args.gate,
+                               carryover=carryover)
     acc = rounds = 0
     for r in records[: args.engine_prompts]:
         out = engine.generate(r.input_ids[: r.prompt_len].tolist(), args.engine_tokens)
@@ -147,7 +151,8 @@ def run_groups(args: argparse.Namespace, target: Any, train_set: list[Record], h
     if "storage" in groups:
         offline("dspark int8", DSPARK, "dspark", as_int8(train_set), held)
     if "chain" in groups:
-        for objective, loss in EXTRA_LOSS.items():
+        for objective in args.chain.split(","):
+            loss = EXTRA_LOSS[objective]
             drafter = copy.deepcopy(base)
             if objective == "carryover":  # the objective adds E_carry (zero) to the offline drafter
                 drafter = _with_carry(base, target)
@@ -155,6 +160,8 @@ def run_groups(args: argparse.Namespace, target: Any, train_set: list[Record], h
             row = {**stats, **heldout_eval(drafter, held), "engine_tau": engine_tau(target, drafter, held, args, 1)}
             if objective in ("offline", "dloop"):
                 row["engine_tau_loop3"] = engine_tau(target, drafter, held, args, 3)
+            if objective == "carryover":
+                row["engine_tau_carry"] = engine_tau(target, drafter, held, args, 1, carryover=True)
             results[f"dspark→{objective}"] = row
             print(f"dspark→{objective}", json.dumps(row), flush=True)
     return results
@@ -180,12 +187,13 @@ def main() -> None:
     print(f"{len(train_set)} train / {len(held)} held-out records, {args.steps} steps × {args.batch}", flush=True)
     results = run_groups(args, target, train_set, held, list(meta["layer_ids"]))
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\n{'variant':<20} {'τ (1−TV)':>9} {'sim τ':>7} {'engine τ':>9} {'loop×3 τ':>9} {'loss':>7} {'s':>6}")
+    cols = ("engine_tau", "engine_tau_loop3", "engine_tau_carry")
+    print(f"\n{'variant':<20} {'τ (1−TV)':>9} {'sim τ':>7} {'engine τ':>9} {'loop×3 τ':>9} {'carry τ':>8} "
+          f"{'loss':>7} {'s':>6}")
     for name, r in results.items():
-        eng = f"{r['engine_tau']:.3f}" if "engine_tau" in r else "-"
-        loop = f"{r['engine_tau_loop3']:.3f}" if "engine_tau_loop3" in r else "-"
-        print(f"{name:<20} {r['tau_tv']:>9.3f} {r['sim_tau']:>7.3f} {eng:>9} {loop:>9} {r['loss_last']:>7.3f} "
-              f"{r['seconds']:>6.0f}")
+        eng, loop, carry = (f"{r[c]:.3f}" if c in r else "-" for c in cols)
+        print(f"{name:<20} {r['tau_tv']:>9.3f} {r['sim_tau']:>7.3f} {eng:>9} {loop:>9} {carry:>8} "
+              f"{r['loss_last']:>7.3f} {r['seconds']:>6.0f}")
 
 
 if __name__ == "__main__":
