@@ -74,7 +74,7 @@ class EngineDrafter(Protocol):
 class GenerationResult:
     """One request's output and what it cost."""
 
-    tokens: list[int]  # the new tokens (prompt excluded), exactly max_new_tokens of them
+    tokens: list[int]  # the new tokens (prompt excluded): max_new_tokens of them unless stopped early
     rounds: int = 0  # draft-verify rounds (target-only: decoding steps)
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per round
     drafted: list[int] = field(default_factory=list)  # draft tokens proposed per round (γ)
@@ -84,6 +84,7 @@ class GenerationResult:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # verify + accept (target forward, rule, cache crop, consume)
     total_seconds: float = 0.0
+    finish_reason: str = "length"  # "length" | "stop" (a stop token, kept) | "cancelled"
 
     @property
     def tau(self) -> float:

@@ -1,0 +1,359 @@
+"""Continuous batching: many requests share each target verification pass; requests join and
+leave between rounds, each with its own rule, sampling parameters, seed and stop tokens.
+
+One ``step()`` is one round for the whole running batch::
+
+    admit    -- waiting requests (up to ``max_batch_size``) are prefilled one by one (batch 1,
+                their own prompt length) and their caches appended to the batch's ragged cache;
+                the prefill's first token is emitted at once;
+    draft    -- per running request, the drafter proposes γ_b tokens on that request's own
+                drafter state (DLoop stages and carryover as in ``SpeculativeEngine.draft``);
+                γ_b = 0 for plain-decoding requests;
+    verify   -- ONE target forward over [B, G+1] (row b: x_{n_b-1}, its γ_b drafts, padding),
+                each row at its own positions over its own valid cache slots (``RaggedCache``);
+                then each request's rule decides its accepted prefix and next token;
+    accept   -- the accepted slots become committed, rejected and padding slots become holes;
+                each drafter state consumes its verified positions' hidden states (never
+                recomputed); carryover rows are attached as in ``SpeculativeEngine.accept``;
+    finish   -- a request ends at ``max_new_tokens``, at one of its stop tokens (included in the
+                output) or when cancelled; its cache rows are freed before the next round.
+
+Per-request randomness (a generator and a Gumbel seed per request) is consumed in the same
+order as ``SpeculativeEngine.generate`` would for that request alone, so a request's output
+does not depend on what else is in the batch (greedy: equal to the target's own greedy output).
+
+Limitations: the drafter runs per request (its ``DraftState`` holds one length per batch), a
+Python loop over requests, not tokens; the verify pass and caches are batched. Chains only.
+This module knows the engine protocol of drafters and the rules; nothing about tokenization,
+HTTP or asyncio (``async_engine.py`` streams on top of ``step``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from components.drafters.base import DEFAULT_SAMPLING, Proposal
+from components.engine.batch_cache import RaggedCache
+from components.engine.engine import (
+    EngineDrafter,
+    GenerationResult,
+    Sequence,
+    SpeculativeEngine,
+    _randomness,
+    _sync,
+)
+from components.engine.rules import RULES, RoundRandomness, Rule, get_rule
+from components.spec.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One generation request as the batch engine takes it (token ids in, token ids out)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = DEFAULT_SAMPLING
+    seed: int = 0
+    rule: str = "greedy"
+    stop_token_ids: tuple[int, ...] = ()
+    speculate: bool = True  # False: plain decoding for this request (one token per round)
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            self.request_id = f"req-{next(_ids)}"
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id}: prompt_ids is empty (at least one token needed)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"request {self.request_id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.rule not in RULES:
+            raise ValueError(f"request {self.request_id}: rule '{self.rule}' is not one of {sorted(RULES)}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+@dataclass
+class StepOutput:
+    """What one round produced for one request."""
+
+    request_id: str
+    new_tokens: list[int]  # emitted this round (may be empty only for a cancelled request)
+    finished: bool = False
+    finish_reason: str | None = None  # "length" | "stop" | "cancelled"
+    result: GenerationResult | None = None  # the whole generation, when finished
+
+
+@dataclass
+class _Running:
+    """A request in the batch: its sequence state (cache lives in the batch's RaggedCache)."""
+
+    request: Request
+    rule: Rule
+    rnd: RoundRandomness
+    seq: Sequence  # cache=None; draft_state None for plain decoding
+    result: GenerationResult
+    started: float
+    proposal: Proposal | None = None  # this round's
+    drafts: Tensor | None = None  # [1, γ_b] this round's
+    carried: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - len(self.seq.new_tokens)
+
+
+@dataclass
+class _Batch:
+    rows: list[_Running] = field(default_factory=list)
+    cache: RaggedCache | None = None
+
+
+class BatchEngine:
+    """Continuous-batching speculative decoding of ``drafter`` (or plain decoding) on ``target``."""
+
+    def __init__(self, target: Any, drafter: EngineDrafter | None = None, num_drafts: int | None = None,
+                 loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
+                 max_batch_size: int = 16, compact_at: float = 0.5):
+        """``drafter=None``: every request decodes plainly. ``compact_at``: the fraction of holes
+        in the ragged cache above which it is compacted after a round."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.target, self.drafter = target, drafter
+        self.max_batch_size, self.compact_at = int(max_batch_size), float(compact_at)
+        self.layer_ids: list[int] = list(drafter.layer_ids) if drafter is not None else []
+        self._engines: dict[str, SpeculativeEngine] = {}
+        if drafter is not None:  # one per rule: draft() picks tokens the rule's way
+            self._engines = {name: SpeculativeEngine(target, drafter, name, num_drafts, loop_stages, loop_gate,
+                                                     carryover) for name in RULES}
+        any_engine = next(iter(self._engines.values()), None)
+        self.gamma = any_engine.gamma if any_engine else 0
+        self.max_drafts = self.gamma * (any_engine.loop_stages if any_engine else 1)
+        self.carryover = bool(carryover)
+        self.waiting: deque[Request] = deque()
+        self.batch = _Batch()
+        self._cancelled: set[str] = set()
+        self.rounds = 0
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request: Request) -> str:
+        """Queues ``request``; it joins the batch at the next ``step``."""
+        self.waiting.append(request)
+        return request.request_id
+
+    def cancel(self, request_id: str) -> None:
+        """Stops ``request_id`` at the next ``step`` and frees its cache rows (no-op if unknown)."""
+        self._cancelled.add(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.batch.rows)
+
+    @property
+    def running(self) -> list[str]:
+        return [r.request.request_id for r in self.batch.rows]
+
+    # ------------------------------------------------------------------ one round
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        """One round for every running request (after admitting waiting ones)."""
+        outputs = self._drop_cancelled()
+        outputs += self._admit()
+        if not self.batch.rows:
+            return outputs
+        self._draft()
+        logits, hidden, forward_seconds = self._verify_forward()
+        outputs += self._accept(logits, hidden, forward_seconds)
+        self.rounds += 1
+        return outputs
+
+    def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
+        """Runs ``requests`` to completion; results in the order given."""
+        order = [self.add(r) for r in requests]
+        done: dict[str, GenerationResult] = {}
+        while self.has_work:
+            for out in self.step():
+                if out.finished and out.result is not None:
+                    done[out.request_id] = out.result
+        return [done[i] for i in order]
+
+    # ------------------------------------------------------------------ phases
+    def _drop_cancelled(self) -> list[StepOutput]:
+        if not self._cancelled:
+            return []
+        outs = [StepOutput(r.request_id, [], True, "cancelled") for r in self.waiting
+                if r.request_id in self._cancelled]
+        self.waiting = deque(r for r in self.waiting if r.request_id not in self._cancelled)
+        gone = [i for i, r in enumerate(self.batch.rows) if r.request.request_id in self._cancelled]
+        for i in gone:
+            run = self.batch.rows[i]
+            outs.append(StepOutput(run.request.request_id, [], True, "cancelled", self._finish(run, "cancelled")))
+        self._remove(gone)
+        self._cancelled.clear()
+        return outs
+
+    def _admit(self) -> list[StepOutput]:
+        outs = []
+        while self.waiting and len(self.batch.rows) < self.max_batch_size:
+            run, cache = self._prefill(self.waiting.popleft())
+            first = run.seq.new_tokens
+            cut, reason = _check_end(run.request, first, 0)
+            if reason:
+                run.seq.new_tokens = cut
+                outs.append(StepOutput(run.request.request_id, run.seq.new_tokens, True, reason,
+                                       self._finish(run, reason)))
+                continue
+            outs.append(StepOutput(run.request.request_id, list(first)))
+            self.batch.rows.append(run)
+            if self.batch.cache is None:
+                self.batch.cache = cache
+            else:
+                self.batch.cache.concat(cache)
+        return outs
+
+    def _prefill(self, req: Request) -> tuple[_Running, RaggedCache]:
+        dev = self.target.device
+        clock = time.perf_counter()
+        rule, rnd = get_rule(req.rule), _randomness(req.sampling, req.seed, dev)
+        prompt = torch.tensor([req.prompt_ids], dtype=torch.long, device=dev)
+        speculate = req.speculate and self.drafter is not None
+        out = self.target.forward(prompt, layer_ids=self.layer_ids if speculate else (), use_cache=True)
+        p = prompt.shape[1]
+        first = rule.sample_target(out.logits[:, -1:], torch.tensor([[p]], device=dev), rnd)[:, 0]
+        state = self.drafter.consume(self.drafter.init_state(1), prompt, out.hidden) if speculate else None
+        _sync(dev)
+        res = GenerationResult([], target_forwards=1, prefill_seconds=time.perf_counter() - clock)
+        seq = Sequence(None, state, first, p + 1, [int(first)])
+        return _Running(req, rule, rnd, seq, res, clock), RaggedCache.single(out.cache)
+
+    def _draft(self) -> None:
+        for run in self.batch.rows:
+            run.carried = run.seq.carry_rows
+            # as SpeculativeEngine.round: at least one draft, overshoot cut (same randomness use)
+            gamma = max(1, min(self.max_drafts, run.remaining - 1)) if run.seq.draft_state is not None else 0
+            if gamma == 0:
+                run.proposal, run.drafts = None, None
+                continue
+            t0 = time.perf_counter()
+            run.proposal, run.drafts = self._engines[run.request.rule].draft(run.seq, gamma, run.rnd)
+            _sync(run.drafts.device)
+            run.result.draft_seconds += time.perf_counter() - t0
+
+    def _verify_forward(self) -> tuple[Tensor, Tensor | None, float]:
+        """One target forward over every row's [x_{n-1}, drafts, padding] → logits [B, G+1, V],
+        hidden [B, G+1, n, H] (or None), seconds."""
+        rows, dev = self.batch.rows, self.target.device
+        width = 1 + max(_num_drafts(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+        for b, run in enumerate(rows):
+            ids[b, 0] = run.seq.last_token[0]
+            if run.drafts is not None:
+                ids[b, 1:1 + run.drafts.shape[1]] = run.drafts[0]
+        starts = torch.tensor([r.seq.length - 1 for r in rows], dtype=torch.long, device=dev)
+        positions = starts[:, None] + torch.arange(width, device=dev)[None, :]  # [B, G+1]
+        cache = self.batch.cache
+        t0 = time.perf_counter()
+        out = self.target.forward(ids, attention_mask=cache.attention_mask(width), layer_ids=self.layer_ids,
+                                  cache=cache.cache, use_cache=True, position_ids=positions)
+        _sync(dev)
+        return out.logits, out.hidden, time.perf_counter() - t0
+
+    def _accept(self, logits: Tensor, hidden: Tensor | None, forward_seconds: float) -> list[StepOutput]:
+        rows, outs, finished = self.batch.rows, [], []
+        keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+        for b, run in enumerate(rows):
+            t0 = time.perf_counter()
+            a, nxt = self._verify_row(run, logits[b:b + 1], b)
+            keep[b, :a + 1] = True
+            emitted = self._commit_row(run, a, nxt, hidden[b:b + 1] if hidden is not None else None)
+            run.result.verify_seconds += forward_seconds + time.perf_counter() - t0
+            before = len(run.seq.new_tokens) - len(emitted)
+            cut, reason = _check_end(run.request, run.seq.new_tokens, before)
+            if reason:
+                run.seq.new_tokens, emitted = cut, cut[before:]
+                outs.append(StepOutput(run.request.request_id, emitted, True, reason, self._finish(run, reason)))
+                finished.append(b)
+            else:
+                outs.append(StepOutput(run.request.request_id, emitted))
+        self.batch.cache.commit(keep)
+        self._remove(finished)
+        if self.batch.cache is not None and self.batch.cache.holes() > self.compact_at:
+            self.batch.cache.compact()
+        return outs
+
+    def _verify_row(self, run: _Running, logits: Tensor, b: int) -> tuple[int, Tensor]:
+        """Row logits [1, G+1, V] → (accepted drafts, next token [1])."""
+        dev, start = logits.device, run.seq.length
+        if run.drafts is None:  # plain decoding: the target's own choice at position n
+            token = run.rule.sample_target(logits[:, :1], torch.tensor([[start]], device=dev), run.rnd)
+            return 0, token[:, 0]
+        g = run.drafts.shape[1]
+        positions = torch.arange(start, start + g + 1, device=dev)[None, :]
+        res = run.rule.verify(run.drafts, logits[:, :g + 1], run.proposal, positions, run.rnd)
+        return int(res.num_accepted[0]), res.next_token
+
+    def _commit_row(self, run: _Running, a: int, nxt: Tensor, hidden: Tensor | None) -> list[int]:
+        """Commits x_{n-1} + a accepted drafts of ``run``; returns the tokens emitted."""
+        seq, res = run.seq, run.result
+        drafted = [] if run.drafts is None else run.drafts[0, :a].tolist()
+        state, rows = seq.draft_state, 0
+        if state is not None:
+            tokens = seq.last_token[:, None] if run.drafts is None else \
+                torch.cat([seq.last_token[:, None], run.drafts[:, :a]], dim=1)  # [1, a+1]
+            state = self.drafter.consume(state, tokens, hidden[:, :a + 1] if hidden is not None else None)
+            if self.carryover and hidden is not None and run.drafts is not None:
+                rejected = hidden[:, a + 1:1 + run.drafts.shape[1]][:, :self.gamma]
+                rows = rejected.shape[1]
+                if rows:
+                    state = self.drafter.with_carry(state, rejected, seq.length + a)
+        emitted = drafted + [int(nxt[0])]
+        run.seq = Sequence(None, state, nxt, seq.length + a + 1, seq.new_tokens + emitted, rows)
+        res.rounds += 1
+        res.target_forwards += 1
+        if run.drafts is not None:
+            res.accepted.append(a)
+            res.drafted.append(run.drafts.shape[1])
+            res.carried.append(run.carried)
+        return emitted
+
+    def _remove(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        keep = [i for i in range(len(self.batch.rows)) if i not in set(rows)]
+        self.batch.rows = [self.batch.rows[i] for i in keep]
+        if not keep:
+            self.batch.cache = None
+        elif self.batch.cache is not None:
+            self.batch.cache.select(keep)
+
+    def _finish(self, run: _Running, reason: str) -> GenerationResult:
+        res = run.result
+        res.tokens = list(run.seq.new_tokens)
+        res.finish_reason = reason
+        res.total_seconds = time.perf_counter() - run.started
+        return res
+
+
+def _num_drafts(run: _Running) -> int:
+    return 0 if run.drafts is None else run.drafts.shape[1]
+
+
+def _check_end(req: Request, tokens: list[int], fresh: int) -> tuple[list[int], str | None]:
+    """(tokens kept, finish reason or None): the first stop token among tokens[fresh:] ends the
+    request (kept in the output); else reaching max_new_tokens does."""
+    limit = req.max_new_tokens
+    if req.stop_token_ids:
+        for i in range(fresh, min(len(tokens), limit)):
+            if tokens[i] in req.stop_token_ids:
+                return tokens[:i + 1], "stop"
+    if len(tokens) >= limit:
+        return tokens[:limit], "length"
+    return tokens, None

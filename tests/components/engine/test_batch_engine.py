@@ -1,0 +1,159 @@
+"""Continuous batching is lossless and batch-independent: every request's output equals what the
+target (greedy) or the batch-1 engine (sampling, same seed) produces for it alone, whatever else
+shares its verification passes, whenever it joins, however many drafts each row accepts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from components.engine import PromptLookupDrafter, SpeculativeEngine, target_only_generate
+from components.engine.batch import BatchEngine, Request
+from components.engine.batch_cache import RaggedCache
+from components.spec.sampling import SamplingParams
+from tests.components.engine.test_engine_carryover import carry_drafter
+from tests.components.engine.test_engine_greedy import random_drafter
+
+TEXTS = ["def main(args):\n    ", "import os\nimport sys\n", "class Foo:\n    def __init__(self",
+         "for i in range(10):\n    ", "x", "    return self._value + other._value  # sum\n"]
+
+
+def batch_prompts(target) -> list[list[int]]:
+    return [target.tokenizer(t)["input_ids"] for t in TEXTS]
+
+
+def requests(target, lengths=(20, 7, 31, 12, 1, 25), **kw) -> list[Request]:
+    return [Request(p, n, **kw) for p, n in zip(batch_prompts(target), lengths)]
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(tiny_target) -> list[list[int]]:
+    return [target_only_generate(tiny_target, r.prompt_ids, r.max_new_tokens).tokens
+            for r in requests(tiny_target)]
+
+
+@pytest.mark.parametrize("drafter_kind", ["plain", "dspark", "eagle3", "prompt_lookup"])
+@pytest.mark.parametrize("max_batch", [2, 16])
+def test_batch_greedy_equals_target(tiny_target, greedy_refs, drafter_kind, max_batch):
+    drafter = {"plain": None, "prompt_lookup": PromptLookupDrafter(tiny_target.vocab_size, 4)}.get(
+        drafter_kind) if drafter_kind in ("plain", "prompt_lookup") else random_drafter(tiny_target, drafter_kind)
+    engine = BatchEngine(tiny_target, drafter, max_batch_size=max_batch)
+    results = engine.generate(requests(tiny_target))
+    assert [r.tokens for r in results] == greedy_refs
+    assert all(r.finish_reason == "length" for r in results)
+    assert not engine.has_work and engine.batch.cache is None  # everything freed
+    if drafter is not None:
+        assert all(r.target_forwards == r.rounds + 1 for r in results)
+
+
+def test_mixed_plain_and_speculative_rows(tiny_target, greedy_refs):
+    reqs = requests(tiny_target)
+    for i, r in enumerate(reqs):
+        r.speculate = i % 2 == 0
+    results = BatchEngine(tiny_target, random_drafter(tiny_target, "dspark"), max_batch_size=3).generate(reqs)
+    assert [r.tokens for r in results] == greedy_refs
+    assert all(not r.accepted for i, r in enumerate(results) if i % 2)  # plain rows never drafted
+
+
+@pytest.mark.parametrize("rule", ["speculative", "gumbel", "block"])
+def test_batch_sampling_matches_single_request_engine(tiny_target, rule):
+    """Per-request randomness: same seed → same tokens as the batch-1 engine, in any batch."""
+    drafter = random_drafter(tiny_target, "dspark")
+    sampling = SamplingParams(temperature=0.9)
+    reqs = requests(tiny_target, rule=rule, sampling=sampling)
+    for i, r in enumerate(reqs):
+        r.seed = 100 + i
+    single = SpeculativeEngine(tiny_target, drafter, rule=rule)
+    expected = [single.generate(r.prompt_ids, r.max_new_tokens, sampling, r.seed).tokens for r in reqs]
+    got = BatchEngine(tiny_target, drafter, max_batch_size=4).generate(reqs)
+    assert [r.tokens for r in got] == expected
+
+
+def test_plain_sampling_rows_match_target_only(tiny_target):
+    sampling = SamplingParams(temperature=1.0, top_k=50)
+    reqs = requests(tiny_target, rule="speculative", sampling=sampling)
+    expected = [target_only_generate(tiny_target, r.prompt_ids, r.max_new_tokens, sampling, r.seed,
+                                     rule="speculative").tokens for r in reqs]
+    assert [r.tokens for r in BatchEngine(tiny_target, None).generate(reqs)] == expected
+
+
+@pytest.mark.parametrize("loop_stages, carryover", [(1, True), (3, False), (2, True)])
+def test_batch_dloop_and_carryover_lossless(tiny_target, greedy_refs, loop_stages, carryover):
+    drafter = carry_drafter(tiny_target, "dspark", carryover=carryover)
+    engine = BatchEngine(tiny_target, drafter, loop_stages=loop_stages, loop_gate=float("-inf"),
+                         carryover=carryover, max_batch_size=4)
+    results = engine.generate(requests(tiny_target))
+    assert [r.tokens for r in results] == greedy_refs
+    if carryover:
+        assert any(sum(r.carried) for r in results)
+
+
+def test_stop_tokens_end_a_request_and_keep_the_stop_token(tiny_target, greedy_refs):
+    reqs = requests(tiny_target)
+    stops = {}
+    for i, (r, ref) in enumerate(zip(reqs, greedy_refs)):
+        if len(ref) > 3:
+            stops[i] = ref[len(ref) // 2]
+            r.stop_token_ids = (stops[i],)
+    results = BatchEngine(tiny_target, random_drafter(tiny_target, "dspark")).generate(reqs)
+    for i, (res, ref) in enumerate(zip(results, greedy_refs)):
+        if i in stops:
+            cut = ref.index(stops[i]) + 1
+            assert res.tokens == ref[:cut] and res.finish_reason == "stop"
+        else:
+            assert res.tokens == ref
+
+
+def test_cancel_frees_rows_and_others_continue(tiny_target, greedy_refs):
+    engine = BatchEngine(tiny_target, random_drafter(tiny_target, "dspark"))
+    reqs = requests(tiny_target)
+    for r in reqs:
+        engine.add(r)
+    done = {}
+
+    def collect(outs):
+        done.update({o.request_id: o.result.tokens for o in outs if o.finished and o.result})
+        return outs
+
+    collect(engine.step() + engine.step())
+    victim = reqs[2].request_id
+    engine.cancel(victim)
+    cancelled = [o for o in collect(engine.step()) if o.request_id == victim]
+    assert cancelled and cancelled[0].finished and cancelled[0].finish_reason == "cancelled"
+    assert victim not in engine.running and engine.batch.cache.batch_size == len(engine.running)
+    assert len(done[victim]) < reqs[2].max_new_tokens
+    while engine.has_work:
+        collect(engine.step())
+    for r, ref in zip(reqs, greedy_refs):
+        if r.request_id != victim:
+            assert done[r.request_id] == ref
+
+
+def test_ragged_cache_compaction_keeps_attention_exact(tiny_target):
+    """Left padding is invisible (each row's next-token logits equal a plain forward of its own
+    tokens), and ``compact`` moves holes away without changing what any row sees."""
+    prompts = batch_prompts(tiny_target)[:3]
+    ragged = None
+    for p in prompts:
+        part = RaggedCache.single(tiny_target.forward(torch.tensor([p]), use_cache=True).cache)
+        ragged = part if ragged is None else (ragged.concat(part) or ragged)
+
+    def next_logits(cache: RaggedCache) -> torch.Tensor:  # [B, V] after one more token (7) per row
+        lens = cache.valid.sum(dim=1)
+        ids = torch.full((cache.batch_size, 1), 7)
+        out = tiny_target.forward(ids, attention_mask=cache.attention_mask(1), cache=cache.cache,
+                                  use_cache=True, position_ids=lens[:, None])
+        cache.commit(torch.zeros(cache.batch_size, 1, dtype=torch.bool))  # drop the probe again
+        return out.logits[:, 0]
+
+    exact = next_logits(ragged)
+    for b, p in enumerate(prompts):
+        ref = tiny_target.forward(torch.tensor([p + [7]])).logits[:, -1]
+        torch.testing.assert_close(exact[b:b + 1], ref, atol=1e-5, rtol=1e-5)
+    ragged.valid[0, -2] = False  # punch a hole in row 0
+    before = next_logits(ragged)
+    ragged.compact()
+    after = next_logits(ragged)
+    assert ragged.holes() > 0 and int(ragged.valid[0].sum()) == len(prompts[0]) - 1
+    torch.testing.assert_close(before, after, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(before[0], exact[0], atol=1e-4)  # the hole was masked out
