@@ -51,6 +51,11 @@ from components.engine.engine import (
     _sync,
 )
 from components.engine.rules import RULES, RoundRandomness, Rule, get_rule
+from components.engine.schedule import (
+    AdaptiveDraftLength,
+    FixedDraftLength,
+    survival_from_confidences,
+)
 from components.spec.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -103,6 +108,7 @@ class _Running:
     result: GenerationResult
     started: float
     proposal: Proposal | None = None  # this round's
+    survival: Tensor | None = None  # [γ'] the last proposal's confidence-head survival (if any)
     drafts: Tensor | None = None  # [1, γ_b] this round's
     carried: int = 0
 
@@ -122,9 +128,11 @@ class BatchEngine:
 
     def __init__(self, target: Any, drafter: EngineDrafter | None = None, num_drafts: int | None = None,
                  loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
-                 max_batch_size: int = 16, compact_at: float = 0.5):
+                 max_batch_size: int = 16, compact_at: float = 0.5,
+                 draft_length: FixedDraftLength | AdaptiveDraftLength | None = None):
         """``drafter=None``: every request decodes plainly. ``compact_at``: the fraction of holes
-        in the ragged cache above which it is compacted after a round."""
+        in the ragged cache above which it is compacted after a round. ``draft_length``: the
+        per-round cap on drafts (default fixed γ; ``AdaptiveDraftLength`` shrinks it under load)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.target, self.drafter = target, drafter
@@ -138,6 +146,8 @@ class BatchEngine:
         self.gamma = any_engine.gamma if any_engine else 0
         self.max_drafts = self.gamma * (any_engine.loop_stages if any_engine else 1)
         self.carryover = bool(carryover)
+        self.draft_length = draft_length or FixedDraftLength()
+        self.caps: list[int] = []  # the cap chosen each round (speculating rows only)
         self.waiting: deque[Request] = deque()
         self.batch = _Batch()
         self._cancelled: set[str] = set()
@@ -169,9 +179,14 @@ class BatchEngine:
         outputs += self._admit()
         if not self.batch.rows:
             return outputs
-        self._draft()
+        clock = time.perf_counter()
+        draft_seconds = self._draft()
         logits, hidden, forward_seconds = self._verify_forward()
+        drafting = [r for r in self.batch.rows if r.drafts is not None]
         outputs += self._accept(logits, hidden, forward_seconds)
+        self.draft_length.observe([r.result.accepted[-1] for r in drafting], [r.drafts.shape[1] for r in drafting],
+                                  draft_seconds, forward_seconds, time.perf_counter() - clock,
+                                  logits.shape[0] * logits.shape[1])
         self.rounds += 1
         return outputs
 
@@ -234,11 +249,13 @@ class BatchEngine:
         seq = Sequence(None, state, first, p + 1, [int(first)])
         return _Running(req, rule, rnd, seq, res, clock), RaggedCache.single(out.cache)
 
-    def _draft(self) -> None:
+    def _draft(self) -> float:
+        """Drafts for every speculating row under this round's cap; returns the seconds spent."""
+        cap, spent = self._cap(), 0.0
         for run in self.batch.rows:
             run.carried = run.seq.carry_rows
             # as SpeculativeEngine.round: at least one draft, overshoot cut (same randomness use)
-            gamma = max(1, min(self.max_drafts, run.remaining - 1)) if run.seq.draft_state is not None else 0
+            gamma = max(1, min(cap, run.remaining - 1)) if run.seq.draft_state is not None and cap else 0
             if gamma == 0:
                 run.proposal, run.drafts = None, None
                 continue
@@ -246,6 +263,23 @@ class BatchEngine:
             run.proposal, run.drafts = self._engines[run.request.rule].draft(run.seq, gamma, run.rnd)
             _sync(run.drafts.device)
             run.result.draft_seconds += time.perf_counter() - t0
+            spent += time.perf_counter() - t0
+            conf = survival_from_confidences(run.proposal.confidences)
+            run.survival = conf[0] if conf is not None else None
+        return spent
+
+    def _cap(self) -> int:
+        """This round's draft cap from the policy, over the rows that speculate."""
+        rows = [r for r in self.batch.rows if r.seq.draft_state is not None]
+        if not rows or self.max_drafts == 0:
+            return 0
+        if isinstance(self.draft_length, FixedDraftLength):
+            return self.max_drafts
+        fallback = self.draft_length.empirical_survival(self.max_drafts)
+        survival = torch.stack([_fill(r.survival, fallback) for r in rows])  # [B', max_drafts]
+        cap = self.draft_length.cap(survival, self.max_drafts)
+        self.caps.append(cap)
+        return cap
 
     def _verify_forward(self) -> tuple[Tensor, Tensor | None, float]:
         """One target forward over every row's [x_{n-1}, drafts, padding] → logits [B, G+1, V],
@@ -340,6 +374,15 @@ class BatchEngine:
         res.finish_reason = reason
         res.total_seconds = time.perf_counter() - run.started
         return res
+
+
+def _fill(survival: Tensor | None, fallback: Tensor) -> Tensor:  # → [len(fallback)] float64
+    if survival is None:
+        return fallback
+    s, n = survival.double().cpu()[: fallback.shape[0]], min(survival.shape[0], fallback.shape[0])
+    if n == 0:
+        return fallback
+    return torch.cat([s, fallback[n:] / fallback[n - 1].clamp_min(1e-9) * s[-1]])  # extend by empirical α
 
 
 def _num_drafts(run: _Running) -> int:

@@ -157,3 +157,22 @@ def test_ragged_cache_compaction_keeps_attention_exact(tiny_target):
     assert ragged.holes() > 0 and int(ragged.valid[0].sum()) == len(prompts[0]) - 1
     torch.testing.assert_close(before, after, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(before[0], exact[0], atol=1e-4)  # the hole was masked out
+
+
+def test_adaptive_draft_length_is_lossless_and_shrinks_under_load(tiny_target, greedy_refs):
+    """With a forward time that grows steeply with the pass width, the cap drops to 0 (plain
+    decoding) for a wide batch and stays > 0 for one request; output stays the target's."""
+    from components.engine.schedule import AdaptiveDraftLength
+    from components.spec.cost import ProfileTable
+
+    steep = ProfileTable([1, 8, 64, 512], [1.0, 8.0, 64.0, 512.0])  # compute-bound: T ∝ n
+    flat = ProfileTable([1, 512], [1.0, 1.0])  # memory-bound: T constant
+    drafter = random_drafter(tiny_target, "dspark")
+    for table, want_zero in ((steep, True), (flat, False)):
+        policy = AdaptiveDraftLength(table)
+        engine = BatchEngine(tiny_target, drafter, draft_length=policy)
+        results = engine.generate(requests(tiny_target))
+        assert [r.tokens for r in results] == greedy_refs
+        assert engine.caps and (max(engine.caps) == 0) == want_zero
+        if not want_zero:
+            assert min(engine.caps) == engine.max_drafts  # a free verify pass: always draft fully

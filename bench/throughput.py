@@ -1,0 +1,102 @@
+"""Throughput of continuous batching at concurrency 1/4/16, with and without speculation.
+
+    python bench/throughput.py [--drafter DIR] [--requests 16 --new-tokens 64 --concurrency 1,4,16]
+
+On the embedded target (built and cached on first use), greedy, held-out prompts: for each
+concurrency c, ``--requests`` requests go through a ``BatchEngine`` that keeps at most c of them
+in flight (requests join as others finish). Methods, measured back to back in the same run:
+
+* ``plain``             -- no drafter: one token per request per round (the baseline);
+* ``<drafter> fixed``   -- speculation with the drafter's γ every round;
+* ``<drafter> adaptive``-- the cap chosen per round from survival estimates and a forward-time
+  table profiled on this machine at start (``components.engine.schedule``); 0 = plain round;
+* ``prompt_lookup fixed/adaptive`` -- the model-free n-gram drafter, likewise.
+
+``--drafter``: a trained drafter checkpoint (e.g. ``<run_dir>/train/drafter``); without it only
+prompt lookup speculates. Every output is checked equal to plain greedy decoding (lossless).
+Printed: tokens/s, τ, mean cap, and the ratio to plain at the same concurrency. Nothing is
+asserted about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import components.drafters  # noqa: F401  (registers every family)
+from components.config import EvalConfig, TargetConfig
+from components.drafters.checkpoint import load_drafter
+from components.engine import PromptLookupDrafter
+from components.engine.batch import BatchEngine, Request
+from components.engine.schedule import AdaptiveDraftLength, profile_forward_time
+from components.evaluation.prompts import eval_prompts
+from components.target import load_target
+from components.target.hf import resolve_target_path
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", default="", help="trained drafter checkpoint directory")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    return ap.parse_args()
+
+
+def run(target: Any, drafter: Any, prompts: list[list[int]], args: argparse.Namespace, conc: int,
+        policy: Any = None) -> tuple[float, list[list[int]], float, float]:
+    """(seconds, outputs, τ, mean cap) of all requests through one engine at concurrency ``conc``."""
+    engine = BatchEngine(target, drafter, max_batch_size=conc, draft_length=policy)
+    reqs = [Request(p, args.new_tokens) for p in prompts]
+    t0 = time.perf_counter()
+    results = engine.generate(reqs)
+    seconds = time.perf_counter() - t0
+    accepted = [a for r in results for a in r.accepted]
+    tau = 1 + sum(accepted) / len(accepted) if accepted else 1.0
+    cap = statistics.mean(engine.caps) if engine.caps else float(engine.max_drafts)
+    return seconds, [r.tokens for r in results], tau, cap
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = TargetConfig(device=args.device)
+    target = load_target(cfg)
+    prompts = [list(p.input_ids) for p in eval_prompts(EvalConfig(num_prompts=args.requests), target.tokenizer,
+                                                Path(resolve_target_path(cfg)))]
+    drafters = {"prompt_lookup": PromptLookupDrafter(target.vocab_size, 7, device=target.device)}
+    if args.drafter:
+        drafters = {"drafter": load_drafter(args.drafter, target).eval(), **drafters}
+    table = profile_forward_time(target)
+    print(f"target {target.num_layers} layers, hidden {target.hidden_size}; {len(prompts)} requests x "
+          f"{args.new_tokens} new tokens, greedy, {torch.get_num_threads()} thread(s), {args.device}")
+    print("profiled T(n) ms: " + ", ".join(f"{int(x)}:{1000 * float(y):.1f}" for x, y in zip(table.xs, table.ys)))
+    print(f"{'conc':>4} {'method':<24}{'tok/s':>9}{'tau':>7}{'cap':>6}{'vs plain':>10}")
+    for conc in (int(c) for c in args.concurrency.split(",")):
+        base_s, base_out, _, _ = run(target, None, prompts, args, conc)
+        total = sum(len(o) for o in base_out)
+        print(f"{conc:>4} {'plain':<24}{total / base_s:9.1f}{1.0:7.2f}{0:6.1f}{1.0:9.2f}x")
+        for name, drafter in drafters.items():
+            for mode in ("fixed", "adaptive"):
+                policy = AdaptiveDraftLength(table) if mode == "adaptive" else None
+                secs, out, tau, cap = run(target, drafter, prompts, args, conc, policy)
+                if out != base_out:
+                    raise SystemExit(f"{name} {mode} at concurrency {conc}: output differs from plain greedy")
+                print(f"{conc:>4} {name + ' ' + mode:<24}{total / secs:9.1f}{tau:7.2f}{cap:6.1f}"
+                      f"{base_s / secs:9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
