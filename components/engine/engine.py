@@ -27,11 +27,10 @@ state hold n-1 positions; x_{n-1} (the last emitted token) has not been through 
 So a generation of R rounds costs exactly R + 1 target forwards.
 
 Limitations (left for later):
-* batch size 1 only: ``DraftState`` carries one committed length for the whole batch, and
-  requests of different lengths accept different counts per round; batching needs per-row
-  lengths (ragged caches or padding + per-row position ids) in the drafter protocol too;
-* chains only (no token trees), no draft-length scheduler (γ is fixed, shortened only so as not
-  to overshoot ``max_new_tokens``);
+* batch size 1 (``batch.BatchEngine`` batches these same steps over many requests, with stop
+  tokens, cancellation and an adaptive draft cap);
+* chains only (no token trees); γ is fixed, shortened only so as not to overshoot
+  ``max_new_tokens``;
 * carryover rows are read by the next round's first block only, at most γ of them (one block);
 * no stop tokens: generation runs for exactly ``max_new_tokens`` tokens.
 

@@ -1,0 +1,145 @@
+"""Requests in, async token streams out: a ``BatchEngine`` driven by one background thread.
+
+What a server replica (Ray Serve, an HTTP handler) holds::
+
+    engine = AsyncEngine(BatchEngine(target, drafter))
+    async for chunk in engine.stream(Request(prompt_ids, 64, stop_token_ids=(eos,))):
+        send(chunk.new_tokens)              # one chunk per round: 1..γ+1 tokens
+    # leaving the loop early (client gone, asyncio cancellation) cancels the request and frees
+    # its cache rows at the next round
+
+All calls into the ``BatchEngine`` happen on the engine thread (it is not thread-safe): adds
+and cancels are queued as commands and applied between rounds, so requests join and leave the
+running batch without stopping it. Each round's outputs are handed to the asyncio loop that
+owns the request (``call_soon_threadsafe``). torch releases the GIL inside its kernels, so the
+event loop stays responsive while a round runs.
+
+If a round raises, every in-flight stream raises ``EngineError`` with the cause, and the engine
+refuses new requests (its caches may be inconsistent): a replica should be restarted.
+Knows the batch engine's ``add/cancel/step``; nothing about HTTP, tokenizers or Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from components.engine.batch import BatchEngine, Request, StepOutput
+from components.engine.engine import GenerationResult
+
+
+class EngineError(RuntimeError):
+    """The engine thread failed; the message carries the original error."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # StepOutput | EngineError items
+
+
+class AsyncEngine:
+    """Continuous batching behind ``async stream(request)``; one engine thread per instance."""
+
+    def __init__(self, engine: BatchEngine, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Request) | ("cancel", id)
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._failed: BaseException | None = None
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._run, name="specline-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side (asyncio)
+    async def stream(self, request: Request) -> AsyncIterator[StepOutput]:
+        """Yields one ``StepOutput`` per round that produced tokens for ``request``; the last one
+        has ``finished=True``. Closing the iterator early cancels the request."""
+        if self._failed is not None or self._stop.is_set():
+            raise EngineError(f"engine is not running: {self._failed or 'shut down'}")
+        rid = request.request_id
+        if rid in self._streams:
+            raise ValueError(f"request id '{rid}' is already in flight")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[rid] = stream
+        self._command("add", request)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, EngineError):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._command("cancel", rid)
+
+    async def generate(self, request: Request) -> GenerationResult:
+        """The whole generation at once (drains ``stream``)."""
+        result = None
+        async for out in self.stream(request):
+            result = out.result
+        assert result is not None  # the finished output always carries it
+        return result
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the engine thread after its current round."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ engine thread
+    def _command(self, kind: str, arg: Any) -> None:
+        self._commands.put((kind, arg))
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._apply_commands()
+            if not self.engine.has_work:
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:  # noqa: BLE001  (delivered to every caller, then stop)
+                self._fail(exc)
+                return
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.engine.add(arg)
+            else:
+                self.engine.cancel(arg)
+
+    def _deliver(self, rid: str, item: StepOutput | EngineError) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failed = exc
+        error = EngineError(f"engine round failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        for rid in list(self._streams):
+            self._deliver(rid, error)
