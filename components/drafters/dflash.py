@@ -199,6 +199,26 @@ class DFlashDrafter(Drafter):
             new = [(torch.cat([k0, k], 2), torch.cat([v0, v], 2)) for (k0, v0), (k, v) in zip(state.kv, new)]
         return DraftState(state.length + t, new, None)
 
+    def consume_many(self, states: list[DraftState], tokens: list[Tensor], hidden: list[Tensor]) -> list[DraftState]:
+        """``consume`` for many batch-1 states at once (the batch engine's rows): one context
+        projection over the rows' new positions, padded to the longest (tokens[i] [1, t_i],
+        hidden[i] [1, t_i, n, H]); each state keeps only its own t_i rows."""
+        lens = [t.shape[1] for t in tokens]
+        width, dev = max(lens), tokens[0].device
+        taps = torch.zeros(len(states), width, *hidden[0].shape[2:], dtype=hidden[0].dtype, device=dev)
+        for i, h in enumerate(hidden):
+            taps[i, :lens[i]] = h[0]
+        starts = torch.tensor([s.length for s in states], device=dev)
+        positions = starts[:, None] + torch.arange(width, device=dev)[None, :]  # [R, width]
+        new = self.backbone.context_kv(taps.to(self.backbone.fc.weight.dtype), positions)  # per layer [R, h, w, d]
+        out = []
+        for i, (state, t) in enumerate(zip(states, lens)):
+            rows = [(k[i:i + 1, :, :t], v[i:i + 1, :, :t]) for k, v in new]
+            if state.kv:
+                rows = [(torch.cat([k0, k], 2), torch.cat([v0, v], 2)) for (k0, v0), (k, v) in zip(state.kv, rows)]
+            out.append(DraftState(state.length + t, rows, None))
+        return out
+
     def propose(self, state: DraftState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
                 generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
         gamma = num_drafts or self.block_drafts

@@ -302,13 +302,16 @@ class BatchEngine:
 
     def _accept(self, logits: Tensor, hidden: Tensor | None, forward_seconds: float) -> list[StepOutput]:
         rows, outs, finished = self.batch.rows, [], []
+        t0 = time.perf_counter()
+        verdicts = [self._verify_row(run, logits[b:b + 1]) for b, run in enumerate(rows)]
         keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
-        for b, run in enumerate(rows):
-            t0 = time.perf_counter()
-            a, nxt = self._verify_row(run, logits[b:b + 1], b)
+        for b, (a, _) in enumerate(verdicts):
             keep[b, :a + 1] = True
-            emitted = self._commit_row(run, a, nxt, hidden[b:b + 1] if hidden is not None else None)
-            run.result.verify_seconds += forward_seconds + time.perf_counter() - t0
+        states = self._consume(rows, [a for a, _ in verdicts], hidden)
+        shared = (time.perf_counter() - t0) / len(rows)
+        for b, (run, (a, nxt)) in enumerate(zip(rows, verdicts)):
+            emitted = self._commit_row(run, a, nxt, states[b], hidden[b:b + 1] if hidden is not None else None)
+            run.result.verify_seconds += forward_seconds + shared
             before = len(run.seq.new_tokens) - len(emitted)
             cut, reason = _check_end(run.request, run.seq.new_tokens, before)
             if reason:
@@ -323,7 +326,7 @@ class BatchEngine:
             self.batch.cache.compact()
         return outs
 
-    def _verify_row(self, run: _Running, logits: Tensor, b: int) -> tuple[int, Tensor]:
+    def _verify_row(self, run: _Running, logits: Tensor) -> tuple[int, Tensor]:
         """Row logits [1, G+1, V] → (accepted drafts, next token [1])."""
         dev, start = logits.device, run.seq.length
         if run.drafts is None:  # plain decoding: the target's own choice at position n
@@ -334,20 +337,36 @@ class BatchEngine:
         res = run.rule.verify(run.drafts, logits[:, :g + 1], run.proposal, positions, run.rnd)
         return int(res.num_accepted[0]), res.next_token
 
-    def _commit_row(self, run: _Running, a: int, nxt: Tensor, hidden: Tensor | None) -> list[int]:
-        """Commits x_{n-1} + a accepted drafts of ``run``; returns the tokens emitted."""
+    def _consume(self, rows: list[_Running], accepted: list[int], hidden: Tensor | None) -> list[Any]:
+        """Every drafting row's state after consuming x_{n-1} + its accepted drafts (their
+        verify-pass hidden states); one ``consume_many`` call when the drafter batches it."""
+        idx = [b for b, r in enumerate(rows) if r.seq.draft_state is not None]
+        states: list[Any] = [None] * len(rows)
+        if not idx:
+            return states
+        tokens = [rows[b].seq.last_token[:, None] if rows[b].drafts is None else
+                  torch.cat([rows[b].seq.last_token[:, None], rows[b].drafts[:, :accepted[b]]], dim=1)
+                  for b in idx]  # each [1, a_b+1]
+        kept = [hidden[b:b + 1, :accepted[b] + 1] if hidden is not None else None for b in idx]
+        olds = [rows[b].seq.draft_state for b in idx]
+        many = getattr(self.drafter, "consume_many", None)
+        news = many(olds, tokens, kept) if many is not None and hidden is not None else \
+            [self.drafter.consume(s, t, h) for s, t, h in zip(olds, tokens, kept)]
+        for b, new in zip(idx, news):
+            states[b] = new
+        return states
+
+    def _commit_row(self, run: _Running, a: int, nxt: Tensor, state: Any, hidden: Tensor | None) -> list[int]:
+        """Commits x_{n-1} + a accepted drafts of ``run`` (``state``: its drafter state after
+        consuming them); attaches carryover rows; returns the tokens emitted."""
         seq, res = run.seq, run.result
         drafted = [] if run.drafts is None else run.drafts[0, :a].tolist()
-        state, rows = seq.draft_state, 0
-        if state is not None:
-            tokens = seq.last_token[:, None] if run.drafts is None else \
-                torch.cat([seq.last_token[:, None], run.drafts[:, :a]], dim=1)  # [1, a+1]
-            state = self.drafter.consume(state, tokens, hidden[:, :a + 1] if hidden is not None else None)
-            if self.carryover and hidden is not None and run.drafts is not None:
-                rejected = hidden[:, a + 1:1 + run.drafts.shape[1]][:, :self.gamma]
-                rows = rejected.shape[1]
-                if rows:
-                    state = self.drafter.with_carry(state, rejected, seq.length + a)
+        rows = 0
+        if state is not None and self.carryover and hidden is not None and run.drafts is not None:
+            rejected = hidden[:, a + 1:1 + run.drafts.shape[1]][:, :self.gamma]
+            rows = rejected.shape[1]
+            if rows:
+                state = self.drafter.with_carry(state, rejected, seq.length + a)
         emitted = drafted + [int(nxt[0])]
         run.seq = Sequence(None, state, nxt, seq.length + a + 1, seq.new_tokens + emitted, rows)
         res.rounds += 1

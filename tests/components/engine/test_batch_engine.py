@@ -176,3 +176,22 @@ def test_adaptive_draft_length_is_lossless_and_shrinks_under_load(tiny_target, g
         assert engine.caps and (max(engine.caps) == 0) == want_zero
         if not want_zero:
             assert min(engine.caps) == engine.max_drafts  # a free verify pass: always draft fully
+
+
+def test_consume_many_equals_consume_per_row(tiny_target):
+    """The batch engine's one-call consume keeps each row's context exactly as ``consume`` would."""
+    drafter = random_drafter(tiny_target, "dspark")
+    states, tokens, hidden = [], [], []
+    for i, p in enumerate(batch_prompts(tiny_target)[:3]):
+        out = tiny_target.forward(torch.tensor([p]), layer_ids=drafter.layer_ids)
+        cut = len(p) - 1 - i  # different context lengths and new-token counts per row
+        states.append(drafter.consume(drafter.init_state(1), torch.tensor([p[:cut]]), out.hidden[:, :cut]))
+        tokens.append(torch.tensor([p[cut:]]))
+        hidden.append(out.hidden[:, cut:])
+    many = drafter.consume_many(states, tokens, hidden)
+    for state, t, h, got in zip(states, tokens, hidden, many):
+        want = drafter.consume(state, t, h)
+        assert got.length == want.length
+        for (k1, v1), (k2, v2) in zip(got.kv, want.kv):
+            torch.testing.assert_close(k1, k2, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(v1, v2, atol=1e-6, rtol=1e-5)
