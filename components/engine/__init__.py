@@ -3,6 +3,7 @@
 * ``engine``     -- ``SpeculativeEngine.generate`` (batch 1) and the ``target_only_generate`` baseline;
 * ``batch``      -- ``BatchEngine``: continuous batching over a ragged KV cache (``batch_cache``),
   per-request rules/sampling/seeds/stop tokens, cancellation;
+* ``tree``       -- ``TreeEngine``: DDTree token trees per round (batch 1), greedy/Gumbel/sampling;
 * ``schedule``   -- fixed or adaptive (DSpark-style, load-aware) draft cap per round;
 * ``async_engine`` -- ``AsyncEngine``: requests in, async token streams out (for serving);
 * ``rules``      -- greedy / Gumbel / speculative / block rules as the engine applies them;
@@ -16,6 +17,7 @@ from components.engine.batch import BatchEngine, Request, StepOutput
 from components.engine.engine import GenerationResult, SpeculativeEngine, target_only_generate
 from components.engine.model_free import OracleDrafter, PromptLookupDrafter, TargetDrafter
 from components.engine.rules import RULES
+from components.engine.tree import TreeEngine
 
 __all__ = [
     "RULES",
@@ -29,5 +31,6 @@ __all__ = [
     "SpeculativeEngine",
     "StepOutput",
     "TargetDrafter",
+    "TreeEngine",
     "target_only_generate",
 ]

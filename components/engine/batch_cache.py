@@ -127,3 +127,12 @@ def _left_pad_mask(valid: Tensor, width: int) -> Tensor:  # [B, L] -> [B, width]
     if missing == 0:
         return valid
     return torch.cat([valid.new_zeros(valid.shape[0], missing), valid], dim=1)
+
+
+def keep_slots(cache: Any, start: int, kept: Tensor) -> None:
+    """Batch-1 token-tree accept: of the slots from ``start`` on, keep only ``kept`` [k] long
+    (offsets from ``start``, increasing), moved to start..start+k-1; the rest are dropped."""
+    for layer in _layers(cache):
+        idx = start + kept.to(layer.keys.device)
+        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, idx]], dim=2)
+        layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, idx]], dim=2)

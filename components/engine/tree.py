@@ -1,0 +1,139 @@
+"""Token trees in the engine (batch 1): draft a tree, verify every branch in one target pass,
+keep the accepted path. For small batches, where a wider verification pass is nearly free.
+
+One round, for committed x_0..x_{n-1} (the invariant of ``engine.py``)::
+
+    draft   -- the drafter proposes γ slots after x_{n-1}; their distributions are the per-depth
+               marginals of a DDTree (``spec.trees.build_best_first_tree``): the ``budget``
+               best paths by summed log-probability, depth ≤ γ;
+    verify  -- one target forward over [x_{n-1}, tree nodes] [1, N+1]: node j sits at position
+               n-1+depth_j and attends to the context, the root and its own ancestors (a 4-D
+               additive mask); slot 0's logits predict the root's children, slot j+1's node j's;
+               the rule walks the tree (``spec.tree_verify``): greedy, Gumbel (shared noise keyed
+               by absolute position) or lossless sampling for a deterministic tree;
+    accept  -- the root and the accepted path's slots are moved together in the KV cache
+               (``batch_cache.keep_slots``: a gather, nothing recomputed), the rest dropped; the
+               drafter consumes the path's hidden states from the verify pass.
+
+The output is the target's own under each rule (tests: greedy and Gumbel token for token,
+sampling by a chi-square test). Not combined with DLoop stages or carryover (refused), and the
+``block`` rule is for chains only. Knows the engine protocol of drafters and the tree builders
+and verifiers of ``components.spec``; nothing about drafter families.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from components.engine.batch_cache import keep_slots
+from components.engine.engine import (
+    EngineDrafter,
+    GenerationResult,
+    Sequence,
+    SpeculativeEngine,
+    _sync,
+)
+from components.engine.rules import GumbelRule, RoundRandomness
+from components.spec.sampling import SamplingParams, log_probs_from_logits, probs_from_logits
+from components.spec.tree_verify import (
+    TreeVerifyResult,
+    tree_noise_positions,
+    verify_tree_greedy,
+    verify_tree_gumbel,
+    verify_tree_sampling,
+)
+from components.spec.trees import TokenTree, ancestor_mask, build_best_first_tree
+
+TREE_RULES = ("greedy", "gumbel", "speculative")
+
+
+class TreeEngine(SpeculativeEngine):
+    """``SpeculativeEngine`` with a DDTree of up to ``budget`` nodes per round in place of a chain."""
+
+    def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_drafts: int | None = None,
+                 budget: int = 16):
+        if rule not in TREE_RULES:
+            raise ValueError(f"tree engine: rule '{rule}' is not one of {list(TREE_RULES)} (block verification "
+                             "is defined for chains only)")
+        if budget < 1:
+            raise ValueError(f"tree engine: budget must be >= 1 node, got {budget}")
+        super().__init__(target, drafter, rule, num_drafts)
+        self.budget = int(budget)
+
+    def draft_tree(self, seq: Sequence, depth: int, rnd: RoundRandomness) -> TokenTree:
+        """The DDTree of the drafter's γ-slot distributions (≤ ``budget`` nodes, depth ≤ ``depth``)."""
+        prop = self.drafter.propose(seq.draft_state, seq.last_token, self.rule.draft_sampling(rnd), rnd.generator,
+                                    num_drafts=depth)
+        shaping = rnd.sampling if rnd.sampling.temperature > 0 else SamplingParams()  # greedy: raw softmax
+        log_q = log_probs_from_logits(prop.logits[0].float(), shaping)  # [γ, V]
+        return build_best_first_tree(log_q, self.budget)
+
+    def verify_tree(self, seq: Sequence, tree: TokenTree,
+                    rnd: RoundRandomness) -> tuple[TreeVerifyResult, Tensor | None, Any]:
+        """One target forward over [x_{n-1}, nodes] → (walk result, hidden [1, N+1, n, H], cache)."""
+        dev, past = seq.last_token.device, seq.length - 1
+        ids = torch.cat([seq.last_token, tree.tokens.to(dev)])[None]  # [1, N+1]
+        depths = tree.depths.to(dev)[None]  # [1, N]
+        positions = past + torch.cat([torch.zeros_like(depths[:, :1]), depths], dim=1)  # [1, N+1]
+        mask = _tree_mask(tree.parents.to(dev), past, self.target.dtype)
+        out = self.target.forward(ids, attention_mask=mask, layer_ids=self.layer_ids, cache=seq.cache,
+                                  use_cache=True, position_ids=positions)
+        tokens, parents = tree.tokens.to(dev)[None], tree.parents.to(dev)[None]
+        if self.rule.name == "greedy":
+            result = verify_tree_greedy(tokens, parents, out.logits)
+        elif self.rule.name == "gumbel":
+            noise_pos = tree_noise_positions(torch.tensor([seq.length], device=dev), depths)
+            noise = GumbelRule.noise(noise_pos, out.logits.shape[-1], rnd)
+            result = verify_tree_gumbel(tokens, parents, log_probs_from_logits(out.logits, rnd.sampling), noise)
+        else:  # deterministic tree: the target-sample walk
+            result = verify_tree_sampling(tokens, parents, probs_from_logits(out.logits, rnd.sampling), None,
+                                          generator=rnd.generator)
+        return result, out.hidden, out.cache
+
+    def accept_tree(self, seq: Sequence, tree: TokenTree, result: TreeVerifyResult, hidden: Tensor | None,
+                    cache: Any) -> Sequence:
+        """Keep the root and the accepted path in the cache; the drafter consumes them."""
+        a = int(result.num_accepted[0])
+        path = result.path[0, :a]  # accepted node indices, by depth
+        kept = torch.cat([torch.zeros(1, dtype=torch.long, device=path.device), path + 1])  # slots after past
+        keep_slots(cache, seq.length - 1, kept)
+        path_tokens = tree.tokens.to(path.device)[path]
+        tokens = torch.cat([seq.last_token, path_tokens])[None]  # [1, a+1]
+        kept_hidden = hidden[:, kept] if hidden is not None else None
+        state = self.drafter.consume(seq.draft_state, tokens, kept_hidden)
+        emitted = path_tokens.tolist() + [int(result.next_token[0])]
+        return Sequence(cache, state, result.next_token, seq.length + a + 1, seq.new_tokens + emitted)
+
+    def round(self, seq: Sequence, remaining: int, rnd: RoundRandomness, res: GenerationResult) -> Sequence:
+        dev = seq.last_token.device
+        depth = max(1, min(self.gamma, remaining - 1))
+        t0 = time.perf_counter()
+        tree = self.draft_tree(seq, depth, rnd)
+        _sync(dev)
+        t1 = time.perf_counter()
+        result, hidden, cache = self.verify_tree(seq, tree, rnd)
+        seq = self.accept_tree(seq, tree, result, hidden, cache)
+        _sync(dev)
+        res.draft_seconds += t1 - t0
+        res.verify_seconds += time.perf_counter() - t1
+        res.rounds += 1
+        res.target_forwards += 1
+        res.accepted.append(int(result.num_accepted[0]))
+        res.drafted.append(int(tree.tokens.numel()))
+        res.carried.append(0)
+        return seq
+
+
+def _tree_mask(parents: Tensor, past: int, dtype: torch.dtype) -> Tensor:  # → [1, 1, N+1, past+N+1]
+    """Additive mask: every slot sees the context and the root; node j its ancestors and itself."""
+    n = parents.shape[0]
+    allowed = torch.zeros(n + 1, past + n + 1, dtype=torch.bool, device=parents.device)
+    allowed[:, :past + 1] = True  # context + root
+    allowed[1:, past + 1:] = ancestor_mask(parents)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=parents.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
