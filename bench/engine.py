@@ -1,12 +1,13 @@
 """Speedup of the speculative engine over target-only decoding, batch 1, greedy, same run.
 
-    python bench/engine.py [--new-tokens 64 --prompts 4 --reps 3 --threads 1 --device cpu]
+    python bench/engine.py [--drafter DIR --tree-budget 16 --new-tokens 64 --prompts 4 --reps 3]
 
 On the embedded target (built and cached on first use) it times, per prompt, plain greedy
-decoding (``target_only_generate``) and the engine with: a random-init DSpark drafter (expect
-< 1x until a trained drafter exists), prompt lookup (model-free), and an oracle that proposes
-the target's own greedy continuation for free (the upper bound of a perfect drafter at this
-γ). Every engine output is checked equal to the baseline. Printed: tokens/s, τ, draft/verify
+decoding (``target_only_generate``) and the engine with: the drafter (a trained checkpoint from
+``--drafter``, else a random-init DSpark, expect < 1x), the same drafter with token trees of
+``--tree-budget`` nodes (``TreeEngine``; 0 skips), prompt lookup (model-free), and an oracle that
+proposes the target's own greedy continuation for free (the upper bound of a perfect drafter at
+this γ). Every engine output is checked equal to the baseline. Printed: tokens/s, τ, draft/verify
 time shares, and the speedup as a ratio of medians measured in this run. Nothing is asserted
 about time.
 """
@@ -26,12 +27,14 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import components.drafters  # noqa: F401  (registers every family)
 from components.config import DrafterConfig, TargetConfig
+from components.drafters.checkpoint import load_drafter
 from components.drafters.registry import build_drafter
 from components.engine import (
     GenerationResult,
     OracleDrafter,
     PromptLookupDrafter,
     SpeculativeEngine,
+    TreeEngine,
     target_only_generate,
 )
 from components.target import load_target
@@ -46,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gamma", type=int, default=0, help="drafts per round (0: the drafter's default)")
+    ap.add_argument("--drafter", default="", help="trained drafter checkpoint (default: random-init DSpark)")
+    ap.add_argument("--tree-budget", type=int, default=16, help="token-tree nodes per round (0: no tree run)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     return ap.parse_args()
@@ -88,10 +93,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     target = load_target(TargetConfig(device=args.device))
-    dspark = build_drafter(DrafterConfig(name="dspark"), target).eval()
+    if args.drafter:
+        dspark, label = load_drafter(args.drafter, target).eval(), "drafter"
+    else:
+        dspark, label = build_drafter(DrafterConfig(name="dspark"), target).eval(), "dspark (random init)"
     gamma = args.gamma or None
     engines = {
-        "dspark (random init)": lambda p, ref: SpeculativeEngine(target, dspark, "greedy", gamma),
+        label: lambda p, ref: SpeculativeEngine(target, dspark, "greedy", gamma),
+        **({f"{label.split()[0]} tree {args.tree_budget}": lambda p, ref: TreeEngine(
+            target, dspark, "greedy", gamma, budget=args.tree_budget)} if args.tree_budget else {}),
         "prompt lookup": lambda p, ref: SpeculativeEngine(
             target, PromptLookupDrafter(target.vocab_size, gamma or 7, device=target.device), "greedy"),
         "oracle (upper bound)": lambda p, ref: SpeculativeEngine(
@@ -101,7 +111,8 @@ def main() -> None:
     print(f"target {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, "
           f"vocab {target.vocab_size}), {args.device}, {torch.get_num_threads()} thread(s), "
           f"{args.new_tokens} new tokens, {len(prompts)} prompts, median of {args.reps}; "
-          f"dspark γ={gamma or dspark.num_drafts}, {dspark.num_parameters():,} params")
+          f"{dspark.cfg.name} γ={gamma or dspark.num_drafts}, {dspark.cfg.num_layers} layers, "
+          f"{dspark.num_parameters():,} params")
     report([bench_prompt(target, engines, p, args) for p in prompts], args.new_tokens)
 
 
