@@ -56,6 +56,7 @@ from components.engine.schedule import (
     FixedDraftLength,
     survival_from_confidences,
 )
+from components.engine.stats import EngineStats
 from components.spec.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -152,6 +153,7 @@ class BatchEngine:
         self.batch = _Batch()
         self._cancelled: set[str] = set()
         self.rounds = 0
+        self.stats = EngineStats()
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> str:
@@ -175,20 +177,31 @@ class BatchEngine:
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """One round for every running request (after admitting waiting ones)."""
+        start = time.perf_counter()
         outputs = self._drop_cancelled()
         outputs += self._admit()
         if not self.batch.rows:
+            self._record(outputs, 0, [], [], 0.0, 0.0, start)
             return outputs
-        clock = time.perf_counter()
+        clock, rows = time.perf_counter(), len(self.batch.rows)
         draft_seconds = self._draft()
         logits, hidden, forward_seconds = self._verify_forward()
         drafting = [r for r in self.batch.rows if r.drafts is not None]
         outputs += self._accept(logits, hidden, forward_seconds)
-        self.draft_length.observe([r.result.accepted[-1] for r in drafting], [r.drafts.shape[1] for r in drafting],
-                                  draft_seconds, forward_seconds, time.perf_counter() - clock,
+        accepted, drafted = [r.result.accepted[-1] for r in drafting], [r.drafts.shape[1] for r in drafting]
+        self.draft_length.observe(accepted, drafted, draft_seconds, forward_seconds, time.perf_counter() - clock,
                                   logits.shape[0] * logits.shape[1])
         self.rounds += 1
+        self._record(outputs, rows, accepted, drafted, draft_seconds, forward_seconds, start)
         return outputs
+
+    def _record(self, outputs: list[StepOutput], rows: int, accepted: list[int], drafted: list[int],
+                draft_seconds: float, forward_seconds: float, start: float) -> None:
+        if not outputs and not rows:
+            return
+        self.stats.record(rows, accepted, drafted, sum(len(o.new_tokens) for o in outputs),
+                          sum(o.finished for o in outputs), draft_seconds, forward_seconds,
+                          time.perf_counter() - start)
 
     def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
         """Runs ``requests`` to completion; results in the order given."""

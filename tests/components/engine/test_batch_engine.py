@@ -42,8 +42,13 @@ def test_batch_greedy_equals_target(tiny_target, greedy_refs, drafter_kind, max_
     assert [r.tokens for r in results] == greedy_refs
     assert all(r.finish_reason == "length" for r in results)
     assert not engine.has_work and engine.batch.cache is None  # everything freed
+    stats = engine.stats.summary()
+    assert stats["tokens"] == sum(map(len, greedy_refs)) and stats["finished"] == len(greedy_refs)
+    assert 1 <= stats["mean_batch"] <= max_batch
     if drafter is not None:
         assert all(r.target_forwards == r.rounds + 1 for r in results)
+        drafting = [(a, d) for r in results for a, d in zip(r.accepted, r.drafted)]
+        assert stats["tau"] == pytest.approx(1 + sum(a for a, _ in drafting) / len(drafting))
 
 
 def test_mixed_plain_and_speculative_rows(tiny_target, greedy_refs):
