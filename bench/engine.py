@@ -5,7 +5,8 @@
 On the embedded target (built and cached on first use) it times, per prompt, plain greedy
 decoding (``target_only_generate``) and the engine with: the drafter (a trained checkpoint from
 ``--drafter``, else a random-init DSpark, expect < 1x), the same drafter with token trees of
-``--tree-budget`` nodes (``TreeEngine``; 0 skips), prompt lookup (model-free), and an oracle that
+``--tree-budget`` nodes (``TreeEngine``: DDTree, and DominoTree from a causal head if the drafter
+has one; 0 skips), prompt lookup (model-free), and an oracle that
 proposes the target's own greedy continuation for free (the upper bound of a perfect drafter at
 this γ). Every engine output is checked equal to the baseline. Printed: tokens/s, τ, draft/verify
 time shares, and the speedup as a ratio of medians measured in this run. Nothing is asserted
@@ -102,6 +103,9 @@ def main() -> None:
         label: lambda p, ref: SpeculativeEngine(target, dspark, "greedy", gamma),
         **({f"{label.split()[0]} tree {args.tree_budget}": lambda p, ref: TreeEngine(
             target, dspark, "greedy", gamma, budget=args.tree_budget)} if args.tree_budget else {}),
+        **({f"{label.split()[0]} causal tree {args.tree_budget}": lambda p, ref: TreeEngine(
+            target, dspark, "greedy", gamma, budget=args.tree_budget, builder="causal")}
+           if args.tree_budget and hasattr(dspark, "causal_tree_head") else {}),
         "prompt lookup": lambda p, ref: SpeculativeEngine(
             target, PromptLookupDrafter(target.vocab_size, gamma or 7, device=target.device), "greedy"),
         "oracle (upper bound)": lambda p, ref: SpeculativeEngine(

@@ -142,3 +142,13 @@ class DSparkDrafter(DFlashDrafter):
             prev = tok
         confidences = torch.stack(conf, dim=1) if conf[0] is not None else None
         return Proposal(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1), confidences)
+
+    def causal_tree_head(self, z: Tensor):  # z [γ, H] one proposal's slot states -> CausalHead
+        """DominoTree's path-dependent scores (``spec.trees.build_causal_trees``): a node at depth
+        d's children are read out from slot d's state with the Markov bias of the node's own token
+        (the root's token at depth 0), so sibling branches get their own distributions."""
+        def head(paths: Tensor, depth: Tensor, candidates: Tensor) -> Tensor:  # [n, γ+1], [n], [n, M]
+            prev = paths.gather(1, depth[:, None])  # [n, 1] the node's token
+            logits, _ = self.train_readout(z[depth][:, None], prev)  # [n, 1, V]
+            return torch.log_softmax(logits[:, 0].float(), dim=-1).gather(1, candidates)
+        return head

@@ -5,7 +5,9 @@ One round, for committed x_0..x_{n-1} (the invariant of ``engine.py``)::
 
     draft   -- the drafter proposes γ slots after x_{n-1}; their distributions are the per-depth
                marginals of a DDTree (``spec.trees.build_best_first_tree``): the ``budget``
-               best paths by summed log-probability, depth ≤ γ;
+               best paths by summed log-probability, depth ≤ γ; or (``builder="causal"``) a
+               DominoTree whose children are scored on their own path by the drafter's causal
+               head (DSpark's Markov head) among each depth's top-M tokens;
     verify  -- one target forward over [x_{n-1}, tree nodes] [1, N+1]: node j sits at position
                n-1+depth_j and attends to the context, the root and its own ancestors (a 4-D
                additive mask); slot 0's logits predict the root's children, slot j+1's node j's;
@@ -46,7 +48,12 @@ from components.spec.tree_verify import (
     verify_tree_gumbel,
     verify_tree_sampling,
 )
-from components.spec.trees import TokenTree, ancestor_mask, build_best_first_tree
+from components.spec.trees import (
+    TokenTree,
+    ancestor_mask,
+    build_best_first_tree,
+    build_causal_trees,
+)
 
 TREE_RULES = ("greedy", "gumbel", "speculative")
 
@@ -55,14 +62,21 @@ class TreeEngine(SpeculativeEngine):
     """``SpeculativeEngine`` with a DDTree of up to ``budget`` nodes per round in place of a chain."""
 
     def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_drafts: int | None = None,
-                 budget: int = 16):
+                 budget: int = 16, builder: str = "ddtree", top_m: int = 8):
+        """``builder``: ``ddtree`` (per-depth marginals) or ``causal`` (DominoTree: children scored
+        on their own path by the drafter's ``causal_tree_head``, among the top-``top_m`` tokens)."""
         if rule not in TREE_RULES:
             raise ValueError(f"tree engine: rule '{rule}' is not one of {list(TREE_RULES)} (block verification "
                              "is defined for chains only)")
         if budget < 1:
             raise ValueError(f"tree engine: budget must be >= 1 node, got {budget}")
+        if builder not in ("ddtree", "causal"):
+            raise ValueError(f"tree engine: builder '{builder}' is not 'ddtree' or 'causal'")
+        if builder == "causal" and not hasattr(drafter, "causal_tree_head"):
+            raise ValueError("tree engine: builder 'causal' needs a drafter with a causal head (causal_tree_head, "
+                             "e.g. DSpark with markov_head linear/rnn); use builder 'ddtree'")
         super().__init__(target, drafter, rule, num_drafts)
-        self.budget = int(budget)
+        self.budget, self.builder, self.top_m = int(budget), builder, int(top_m)
 
     def draft_tree(self, seq: Sequence, depth: int, rnd: RoundRandomness) -> TokenTree:
         """The DDTree of the drafter's γ-slot distributions (≤ ``budget`` nodes, depth ≤ ``depth``)."""
@@ -70,6 +84,9 @@ class TreeEngine(SpeculativeEngine):
                                     num_drafts=depth)
         shaping = rnd.sampling if rnd.sampling.temperature > 0 else SamplingParams()  # greedy: raw softmax
         log_q = log_probs_from_logits(prop.logits[0].float(), shaping)  # [γ, V]
+        if self.builder == "causal" and prop.states is not None:
+            head = self.drafter.causal_tree_head(prop.states[0])
+            return build_causal_trees(log_q[None], seq.last_token, head, self.budget, self.top_m)[0]
         return build_best_first_tree(log_q, self.budget)
 
     def verify_tree(self, seq: Sequence, tree: TokenTree,

@@ -80,6 +80,19 @@ def test_tree_sampling_follows_target(tiny_target):
     assert chi_square_p_value(counts, expected, n) > 1e-3
 
 
+@pytest.mark.parametrize("rule", ["greedy", "gumbel"])
+def test_causal_trees_from_the_dspark_head_are_lossless(tiny_target, references, rule):
+    drafter = random_drafter(tiny_target, "dspark")
+    sampling = SamplingParams(temperature=1.0)
+    engine = TreeEngine(tiny_target, drafter, rule=rule, budget=12, builder="causal", top_m=4)
+    for prompt, ref in zip(prompts(tiny_target)[:2], references):
+        if rule == "gumbel":
+            ref = target_only_generate(tiny_target, prompt, MAX_NEW, sampling, 5, rule="gumbel").tokens
+        assert engine.generate(prompt, MAX_NEW, sampling, 5).tokens == ref
+    with pytest.raises(ValueError, match="causal head"):
+        TreeEngine(tiny_target, random_drafter(tiny_target, "dflash"), builder="causal")
+
+
 def test_tree_engine_refuses_block_rule(tiny_target):
     with pytest.raises(ValueError, match="chains only"):
         TreeEngine(tiny_target, random_drafter(tiny_target, "dspark"), rule="block")
