@@ -185,8 +185,9 @@ class EvalConfig:
     """Stage ``eval``: τ, acceptance by position, tokens/s and speedup of every method in
     ``methods`` on the same held-out prompts, in the same process (components/evaluation/)."""
 
-    # target_only | drafter | prompt_lookup (our engine) | hf_generate | hf_prompt_lookup |
-    # hf_assisted (transformers' generate, the peers). Speedups are against target_only.
+    # target_only | drafter | drafter_dloop | prompt_lookup (our engine) | hf_generate |
+    # hf_prompt_lookup | hf_assisted (transformers' generate, the peers) | vllm_* (vLLM, opt-in,
+    # see vllm_python below). Speedups are against target_only.
     methods: list[str] = field(default_factory=lambda: [
         "target_only", "drafter", "drafter_dloop", "prompt_lookup", "hf_generate", "hf_prompt_lookup",
         "hf_assisted"])
@@ -219,6 +220,11 @@ class EvalConfig:
     warmup: bool = True  # one untimed generation per method before timing
     threads: int = 1  # torch CPU threads while timing (restored afterwards); 0 = leave as is
     output_dir: str = "${run_dir}/eval"  # tables and plots (also logged to MLflow)
+    # vLLM peers (opt-in methods vllm_generate | vllm_ngram | vllm_suffix | vllm_draft_model |
+    # vllm_drafter) run in vLLM's own environment, all in one subprocess of this Python. None:
+    # $SPECLINE_VLLM_PYTHON, else .venv-vllm/bin/python (built by `make vllm-env`).
+    vllm_python: str | None = None
+    vllm_draft_tokens: int = 5  # vllm_draft_model's num_speculative_tokens (vLLM drafts a fixed k)
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
     python -m pipelines.evaluate conf=dspark.yaml eval.drafter_path=runs/train/drafter
     python -m pipelines.evaluate conf=dspark.yaml "eval.methods=[target_only,prompt_lookup,hf_generate]"
+    python -m pipelines.evaluate conf=dspark.yaml eval.drafter_path=DIR \
+        "eval.methods=[target_only,drafter,prompt_lookup,vllm_generate,vllm_ngram,vllm_draft_model,vllm_drafter]"
 
 On ``eval.num_prompts`` held-out prompts (``components.evaluation.prompts``) it runs every method
 of ``eval.methods`` (``components.evaluation.methods``; target_only always, as the reference) in
@@ -15,7 +17,10 @@ rollouts) is set beside the τ the engine measures with the same drafter.
 Logs to MLflow: ``eval/<method>/{tau,tokens_per_s,speedup,...}`` metrics, ``eval/results.md``
 (tables) and ``eval/results.json``, and plots of acceptance by position and of the speedups.
 Everything is also written under ``eval.output_dir``. Timing runs in-process, not on Ray: a
-speedup is a ratio of two timings that must share one quiet process.
+speedup is a ratio of two timings that must share one quiet process. The vLLM peers
+(``vllm_*``, opt-in) are the exception: vLLM lives in its own environment, so they run in one
+vLLM subprocess after ours (``components.evaluation.vllm_peers``; the report says how they are
+timed); ``vllm_drafter``'s acceptance length is set beside our engine's τ for the same drafter.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from pipelines.cli import main
 
 
 def _drafter(cfg: SpeclineConfig, upstream: dict[str, Any], target: Any, methods: list[str]) -> Any:
-    if "drafter" not in methods:
+    if "drafter" not in methods and "vllm_drafter" not in methods:
         return None
     path = cfg.eval.drafter_path or upstream.get("drafter_path")
     if not path:
@@ -57,7 +62,7 @@ def _drafter(cfg: SpeclineConfig, upstream: dict[str, Any], target: Any, methods
 
 def _assistant(cfg: SpeclineConfig, target_path: str, target: Any, methods: list[str]) -> tuple[Any, str | None]:
     name = cfg.eval.assistant
-    if "hf_assisted" not in methods or name in (None, "", "none"):
+    if not {"hf_assisted", "vllm_draft_model"} & set(methods) or name in (None, "", "none"):
         return None, None
     if name == "auto":
         if cfg.target.name_or_path != EMBEDDED_TARGET:
@@ -91,8 +96,29 @@ def _markdown(cfg: SpeclineConfig, report: EvalReport, offline: dict[str, Any]) 
                   (f"train stage's held-out τ estimate (α = 1 − TV on its rollouts): "
                    f"{'not given' if est is None else f'{est:.3f}'}; engine-measured τ of the same drafter "
                    f"on these prompts: {offline['engine_tau']:.3f}"), ""]
+    lines += _vllm_markdown(report)
     lines += ["## Method settings", "", "```", json.dumps(report.notes, indent=1, default=str), "```"]
     return "\n".join(lines)
+
+
+def _vllm_markdown(report: EvalReport) -> list[str]:
+    """How the vLLM peers were timed, and vLLM's acceptance length vs our engine's τ."""
+    from components.evaluation.vllm_peers import TIMING
+
+    ran = [m for m in report.summaries if m.startswith("vllm_")]
+    if not ran and not report.unavailable:
+        return []
+    lines = ["## vLLM peers", "", f"Timing: {TIMING}.", ""]
+    lines += [f"- {m}: unavailable: {why}" for m, why in report.unavailable.items()]
+    cmp = report.notes.get("vllm_drafter", {}).get("vs_engine")
+    if cmp:
+        lines += ["", (f"Same drafter, same prompts: our engine τ {cmp['engine_tau']:.3f} ({cmp['engine_rounds']} "
+                       f"rounds), vLLM mean acceptance length {cmp['vllm_tau']:.3f} ({cmp['vllm_rounds']} steps), "
+                       f"difference {cmp['vllm_minus_engine_tau']:+.3f}; vLLM clipped at max_new_tokens as our "
+                       f"engine counts: {cmp['vllm_tau_clipped_to_max_new_tokens']:.3f} ({cmp['tokens_counted_past_max_new_tokens']} "
+                       f"tokens credited past the end); prompts with identical per-round acceptance: "
+                       f"{cmp['prompts_with_identical_rounds']}")]
+    return lines + [""]
 
 
 def _log(tracker: Tracker, cfg: SpeclineConfig, report: EvalReport, offline: dict[str, Any], out: Path) -> None:
@@ -101,6 +127,9 @@ def _log(tracker: Tracker, cfg: SpeclineConfig, report: EvalReport, offline: dic
     for key in ("offline_tau", "engine_tau", "engine_minus_offline_tau"):
         if isinstance(offline.get(key), (int, float)):
             metrics[f"eval/{key}"] = offline[key]
+    for key, value in report.notes.get("vllm_drafter", {}).get("vs_engine", {}).items():
+        if isinstance(value, (int, float)):
+            metrics[f"eval/vllm_drafter/vs_engine/{key}"] = value
     tracker.log_metrics(metrics)
     text = _markdown(cfg, report, offline)
     data = rep.report_dict(report) | {"offline_vs_engine": offline}
@@ -123,6 +152,8 @@ def _shout(report: EvalReport) -> None:
         print(f"eval: NOT LOSSLESS: {name} differs from target_only on {len(s.mismatches)} of "
               f"{len(report.prompts)} prompts ({ties} at numerical near-ties); first: {s.mismatches[0]}",
               file=sys.stderr, flush=True)
+    for name, why in report.unavailable.items():
+        print(f"eval: {name} unavailable: {why}", file=sys.stderr, flush=True)
 
 
 def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
@@ -133,7 +164,8 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     target = load_target(dataclasses.replace(cfg.target, name_or_path=target_path), progress=False)
     prompts = eval_prompts(cfg.eval, target.tokenizer, Path(target_path) if Path(target_path).is_dir() else None)
     assistant, assistant_name = _assistant(cfg, target_path, target, methods)
-    ctx = EvalContext(target, cfg.eval, drafter=_drafter(cfg, upstream, target, methods), assistant=assistant)
+    ctx = EvalContext(target, cfg.eval, drafter=_drafter(cfg, upstream, target, methods), assistant=assistant,
+                      assistant_path=assistant_name)
     tracker.log_params({f"eval.{k}": v for k, v in dataclasses.asdict(cfg.eval).items()}
                        | {"eval.target_path": target_path, "eval.assistant_path": assistant_name})
     report = evaluate(ctx, methods, prompts)
@@ -148,7 +180,8 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
             "eval_tokens_per_s": {m: v.tokens_per_s for m, v in s.items()},
             "eval_speedup": {m: v.speedup for m, v in s.items()},
             "eval_lossless": {m: v.lossless for m, v in s.items()},
-            "eval_lossless_failures": report.failures, "eval_offline_tau": offline["offline_tau"],
+            "eval_lossless_failures": report.failures, "eval_unavailable": dict(report.unavailable),
+            "eval_offline_tau": offline["offline_tau"],
             "eval_engine_tau": offline["engine_tau"], "eval_seconds": time.perf_counter() - t0}
 
 

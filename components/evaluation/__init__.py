@@ -8,6 +8,8 @@ same held-out prompts, in the same process, each checked against plain decoding.
 * ``assistant`` -- the separate small LM for assisted generation (built for the embedded target);
 * ``metrics``   -- per-prompt runs, τ, acceptance by position, speedups, token comparisons;
 * ``runner``    -- warmup, interleaved timing, the lossless check with near-tie diagnosis;
+* ``vllm_peers`` / ``vllm_run`` -- vLLM as a peer (opt-in ``vllm_*`` methods): this side plans
+  and reads them, ``vllm_run`` runs them all in one subprocess of the vLLM environment;
 * ``report``    -- markdown tables, flat metrics, plots.
 
 Knows nothing about MLflow or Ray (``pipelines/evaluate.py`` logs); no training happens here

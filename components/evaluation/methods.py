@@ -11,6 +11,9 @@ Peers (transformers' ``generate`` on the same target object, see ``hf.py``):
 
 * ``hf_generate``, ``hf_prompt_lookup``, ``hf_assisted`` (a separate small LM drafts).
 
+vLLM peers (``VLLM_METHODS``, opt-in) run in vLLM's own environment, all in one subprocess after
+ours: ``vllm_peers.py`` builds and runs them; only their names and checks live here.
+
 A factory gets an :class:`EvalContext` (the loaded parts) and returns a function
 ``(prompt_ids, max_new_tokens, seed) -> PromptRun``. What a method needs that is missing (a
 drafter, an assistant) is a :class:`ConfigError` naming the key to set.
@@ -44,6 +47,7 @@ class EvalContext:
     ev: EvalConfig
     drafter: Any = None  # a loaded drafter (engine protocol), for "drafter"
     assistant: Any = None  # an HF causal LM with the target's tokenizer, for "hf_assisted"
+    assistant_path: str | None = None  # where that assistant is (vLLM loads it: "vllm_draft_model")
     notes: dict[str, dict[str, Any]] = field(default_factory=dict)  # per method: γ, sizes, ...
 
     @property
@@ -143,13 +147,15 @@ METHODS: dict[str, Callable[[EvalContext], MethodFn]] = {
     "hf_generate": hf_plain, "hf_prompt_lookup": hf_prompt_lookup, "hf_assisted": hf_assisted,
 }
 HF_METHODS = {"hf_generate", "hf_prompt_lookup", "hf_assisted"}
+VLLM_METHODS = {"vllm_generate", "vllm_ngram", "vllm_suffix", "vllm_draft_model", "vllm_drafter"}
+VLLM_REFERENCE = "vllm_generate"
 
 
 def check_methods(ev: EvalConfig) -> list[str]:
     """The configured methods, reference first; unknown names and bad settings are ConfigErrors."""
-    unknown = [m for m in ev.methods if m not in METHODS]
+    unknown = [m for m in ev.methods if m not in METHODS and m not in VLLM_METHODS]
     if unknown:
-        raise ConfigError(f"eval.methods: unknown {unknown}; available: {list(METHODS)}")
+        raise ConfigError(f"eval.methods: unknown {unknown}; available: {list(METHODS) + sorted(VLLM_METHODS)}")
     if len(set(ev.methods)) != len(ev.methods):
         raise ConfigError(f"eval.methods: {list(ev.methods)} names a method twice")
     if ev.rule not in RULES:
@@ -157,9 +163,13 @@ def check_methods(ev: EvalConfig) -> list[str]:
     if ev.rule == "greedy" and ev.temperature > 0:
         raise ConfigError("eval.temperature: > 0 needs a sampling rule (eval.rule=speculative|block|gumbel); "
                           "the greedy rule ignores it")
-    for key in ("num_prompts", "max_new_tokens", "lookup_num_drafts", "lookup_max_ngram"):
+    for key in ("num_prompts", "max_new_tokens", "lookup_num_drafts", "lookup_max_ngram", "vllm_draft_tokens"):
         if getattr(ev, key) < 1:
             raise ConfigError(f"eval.{key}: must be at least 1 (got {getattr(ev, key)})")
+    if VLLM_METHODS & set(ev.methods):
+        from components.evaluation.vllm_peers import vllm_python
+
+        vllm_python(ev)  # a ConfigError naming eval.vllm_python and `make vllm-env` when missing
     return [REFERENCE] + [m for m in ev.methods if m != REFERENCE]
 
 
@@ -167,7 +177,7 @@ def exact_methods(ev: EvalConfig, methods: list[str]) -> set[str]:
     """Methods whose output must equal target_only's token for token under these settings:
     ours under greedy decoding or Gumbel coupling (output = f(target, seed)); the peers only greedy."""
     ours = ev.temperature == 0 or ev.rule in ("greedy", "gumbel")
-    return {m for m in methods if (ev.temperature == 0 if m in HF_METHODS else ours)}
+    return {m for m in methods if (ev.temperature == 0 if m in HF_METHODS | VLLM_METHODS else ours)}
 
 
 def build_methods(ctx: EvalContext, methods: list[str]) -> dict[str, MethodFn]:

@@ -70,6 +70,7 @@ class MethodSummary:
     target_forwards: int
     speedup: float | None = None  # tokens/s ÷ the reference method's (target_only)
     speedup_vs_hf_generate: float | None = None  # transformers' methods only
+    speedup_vs_vllm_generate: float | None = None  # vLLM's methods only
     lossless: bool | None = None  # None: not checked (sampled rules)
     mismatches: list[Mismatch] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # method notes (γ, assistant, ...)
@@ -126,13 +127,20 @@ def compare_tokens(reference: list[PromptRun], runs: list[PromptRun]) -> list[Mi
     return out
 
 
+def _ratio(s: MethodSummary, base: MethodSummary | None) -> float | None:
+    return s.tokens_per_s / base.tokens_per_s if base is not None and base.tokens_per_s > 0 else None
+
+
 def add_speedups(summaries: dict[str, MethodSummary], reference: str, hf_reference: str,
-                 hf_methods: set[str]) -> None:
-    """Fills ``speedup`` (÷ reference tokens/s) and, for ``hf_methods``, ``speedup_vs_hf_generate``."""
-    base = summaries.get(reference)
-    hf_base = summaries.get(hf_reference)
+                 hf_methods: set[str], vllm_reference: str = "", vllm_methods: set[str] | None = None) -> None:
+    """Fills ``speedup`` (÷ reference tokens/s) and, for ``hf_methods`` / ``vllm_methods``,
+    ``speedup_vs_hf_generate`` / ``speedup_vs_vllm_generate`` (÷ that peer's plain decoding)."""
+    base, hf_base, vllm_base = (summaries.get(reference), summaries.get(hf_reference),
+                                summaries.get(vllm_reference))
     for name, s in summaries.items():
         if base is not None and base.tokens_per_s > 0:
             s.speedup = s.tokens_per_s / base.tokens_per_s
-        if name in hf_methods and hf_base is not None and hf_base.tokens_per_s > 0:
-            s.speedup_vs_hf_generate = s.tokens_per_s / hf_base.tokens_per_s
+        if name in hf_methods:
+            s.speedup_vs_hf_generate = _ratio(s, hf_base)
+        if name in (vllm_methods or set()):
+            s.speedup_vs_vllm_generate = _ratio(s, vllm_base)

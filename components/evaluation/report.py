@@ -1,7 +1,8 @@
 """An evaluation's results as tables (markdown, JSON-ready dicts), metrics and plots.
 
 * ``summary_table``   -- one row per method: tokens/s, speedup (÷ target_only and, for
-  transformers' methods, ÷ hf_generate), τ, drafts per round, target passes, lossless;
+  transformers' / vLLM's methods, ÷ hf_generate / vllm_generate), τ, drafts per round, target
+  passes, lossless; methods that could not run (vLLM refusals) as a row with the reason;
 * ``acceptance_table`` -- acceptance at draft position k per drafting method;
 * ``flat_metrics``    -- ``eval/<method>/<metric>`` numbers for MLflow;
 * ``plot_acceptance`` / ``plot_speedups`` -- PNGs (matplotlib, Agg); None without matplotlib.
@@ -37,13 +38,15 @@ def _lossless(s: MethodSummary, reference: str) -> str:
 
 
 def summary_table(report: EvalReport, reference: str = "target_only") -> str:
-    rows = ["| method | tok/s | speedup | vs hf_generate | τ | drafts/round | target passes | lossless |",
-            "|---|---|---|---|---|---|---|---|"]
+    head = "| method | tok/s | speedup | vs hf_generate | vs vllm_generate | τ | drafts/round | target passes | lossless |"
+    rows = [head, "|---|" * 1 + "---|" * 8]
     for s in report.summaries.values():
         rows.append(f"| {s.method} | {s.tokens_per_s:.1f} | {_fmt(s.speedup, '.2f', '×')} | "
-                    f"{_fmt(s.speedup_vs_hf_generate, '.2f', '×')} | {s.tau:.2f} | "
-                    f"{_fmt(s.mean_drafted if s.rounds else None, '.1f')} | {s.target_forwards} | "
-                    f"{_lossless(s, reference)} |")
+                    f"{_fmt(s.speedup_vs_hf_generate, '.2f', '×')} | {_fmt(s.speedup_vs_vllm_generate, '.2f', '×')} | "
+                    f"{s.tau:.2f} | {_fmt(s.mean_drafted if s.rounds else None, '.1f')} | "
+                    f"{s.target_forwards or '–'} | {_lossless(s, reference)} |")
+    for name, why in report.unavailable.items():
+        rows.append(f"| {name} | unavailable: {why.replace('|', '/')} |" + " |" * 7)
     return "\n".join(rows)
 
 
@@ -70,6 +73,8 @@ def flat_metrics(report: EvalReport) -> dict[str, float]:
             out[f"{p}/speedup"] = s.speedup
         if s.speedup_vs_hf_generate is not None:
             out[f"{p}/speedup_vs_hf_generate"] = s.speedup_vs_hf_generate
+        if s.speedup_vs_vllm_generate is not None:
+            out[f"{p}/speedup_vs_vllm_generate"] = s.speedup_vs_vllm_generate
         if s.lossless is not None:
             out[f"{p}/lossless"] = float(s.lossless)
         out |= {f"{p}/acceptance/{k + 1}": a for k, a in enumerate(s.acceptance_by_position)}
@@ -81,7 +86,8 @@ def report_dict(report: EvalReport) -> dict[str, Any]:
     runs = {m: [{k: v for k, v in dataclasses.asdict(r).items() if k != "tokens"} | {"new_tokens": len(r.tokens)}
                 for r in rs] for m, rs in report.runs.items()}
     return {"prompts": [{"prompt_id": p.prompt_id, "tokens": len(p.input_ids)} for p in report.prompts],
-            "methods": {m: dataclasses.asdict(s) for m, s in report.summaries.items()}, "runs": runs}
+            "methods": {m: dataclasses.asdict(s) for m, s in report.summaries.items()}, "runs": runs,
+            "unavailable": dict(report.unavailable)}
 
 
 def _pyplot() -> Any:

@@ -12,6 +12,12 @@ position, computed afresh; below ``NEAR_TIE`` it is a numerical tie (batched ver
 one-token decoding round differently), otherwise a real bug (``got = -1``: the output ended
 early, e.g. at a stop token). Mismatches are logged as errors.
 
+vLLM peers (``vllm_peers``): prepared before any timing (a missing vLLM environment or drafter
+stops the stage there), run in one vLLM subprocess after ours (so the two never share the CPU),
+and then summarized and checked like every other method. A vLLM method vLLM refuses is kept in
+``EvalReport.unavailable`` with the reason, not in ``runs``. ``vllm_drafter`` gets a comparison
+with our ``drafter`` (``notes["vllm_drafter"]["vs_engine"]``) when both ran.
+
 Knows methods, metrics and the target's forward; nothing about MLflow or files.
 """
 
@@ -28,6 +34,8 @@ from components.evaluation.methods import (
     HF_METHODS,
     HF_REFERENCE,
     REFERENCE,
+    VLLM_METHODS,
+    VLLM_REFERENCE,
     EvalContext,
     MethodFn,
     build_methods,
@@ -55,6 +63,7 @@ class EvalReport:
     runs: dict[str, list[PromptRun]]  # method → one run per prompt, in prompt order
     summaries: dict[str, MethodSummary]
     notes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)  # method → why it could not run
 
     @property
     def failures(self) -> list[str]:
@@ -109,22 +118,52 @@ def check_lossless(target: Any, prompts: list[Prompt], runs: dict[str, list[Prom
                       "first: %s", name, REFERENCE, len(mismatches), len(prompts), ties, NEAR_TIE, mismatches[0])
 
 
-def evaluate(ctx: EvalContext, method_names: list[str], prompts: list[Prompt]) -> EvalReport:
-    """Builds the methods, warms up, times them on ``prompts``, summarizes and checks them."""
-    methods = build_methods(ctx, method_names)
+def time_in_process(ctx: EvalContext, methods: dict[str, MethodFn], prompts: list[Prompt]) -> dict[str, list[PromptRun]]:
+    """Warmup and interleaved timing of our and transformers' methods at ``eval.threads``."""
     threads = torch.get_num_threads()
     if ctx.ev.threads > 0:
         torch.set_num_threads(ctx.ev.threads)
     try:
         if ctx.ev.warmup:
             warm_up(methods, prompts[0], ctx.ev.max_new_tokens)
-        runs = time_methods(methods, prompts, ctx.ev.max_new_tokens)
+        return time_methods(methods, prompts, ctx.ev.max_new_tokens)
     finally:
         torch.set_num_threads(threads)
+
+
+def _vllm_vs_engine(ctx: EvalContext, runs: dict[str, list[PromptRun]]) -> None:
+    from components.evaluation.vllm_peers import compare_drafter
+
+    if "vllm_drafter" in runs and "drafter" in runs:
+        gamma = ctx.notes.get("drafter", {}).get("num_drafts") or ctx.notes["vllm_drafter"]["num_speculative_tokens"]
+        ctx.notes["vllm_drafter"]["vs_engine"] = compare_drafter(runs["drafter"], runs["vllm_drafter"], gamma)
+
+
+def evaluate(ctx: EvalContext, method_names: list[str], prompts: list[Prompt]) -> EvalReport:
+    """Builds the methods, warms up, times them on ``prompts`` (vLLM's afterwards, in its own
+    process), summarizes and checks them."""
+    peers = [m for m in method_names if m in VLLM_METHODS]
+    plan = None
+    if peers:
+        from components.evaluation.vllm_peers import plan_vllm
+
+        plan = plan_vllm(ctx, peers)
+    unavailable: dict[str, str] = {}
+    try:
+        runs = time_in_process(ctx, build_methods(ctx, [m for m in method_names if m not in VLLM_METHODS]), prompts)
+        if plan is not None:
+            from components.evaluation.vllm_peers import run_vllm
+
+            vruns, unavailable = run_vllm(ctx, plan, prompts)
+            runs = {m: vruns[m] if m in vruns else runs[m] for m in method_names if m in runs or m in vruns}
+            _vllm_vs_engine(ctx, runs)
+    finally:
+        if plan is not None:
+            plan.close()  # the temporary drafter export
     summaries = {name: summarize(name, r) for name, r in runs.items()}
-    add_speedups(summaries, REFERENCE, HF_REFERENCE, HF_METHODS)
-    check_lossless(ctx.target, prompts, runs, summaries, exact_methods(ctx.ev, method_names) - {REFERENCE})
+    add_speedups(summaries, REFERENCE, HF_REFERENCE, HF_METHODS, VLLM_REFERENCE, VLLM_METHODS)
+    check_lossless(ctx.target, prompts, runs, summaries, exact_methods(ctx.ev, list(runs)) - {REFERENCE})
     for name, notes in ctx.notes.items():
         if name in summaries:
             summaries[name].extra.update(notes)
-    return EvalReport(prompts, runs, summaries, dict(ctx.notes))
+    return EvalReport(prompts, runs, summaries, dict(ctx.notes), unavailable)

@@ -1,0 +1,101 @@
+"""vLLM as an evaluation peer: its methods run in one vLLM subprocess, are lossless against our
+target_only, report sane acceptance counters, and our exported drafter's acceptance length is set
+beside our engine's τ. A missing vLLM environment is one clear ConfigError (no vLLM needed).
+
+The vLLM tests need .venv-vllm (``make vllm-env``; ``SPECLINE_VLLM_PYTHON`` points at it) and
+take about a minute on two cores: one subprocess for plain + n-gram + an EAGLE-3 export, one that
+only sees vLLM's CPU runner refuse a DSpark export.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.config import ConfigError, DrafterConfig, EvalConfig
+from components.evaluation import EvalContext, check_methods, evaluate
+from components.evaluation.metrics import PromptRun
+from components.evaluation.vllm_peers import clipped, compare_drafter, overshoot
+
+ROOT = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = Path(os.environ.get("SPECLINE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+has_vllm = pytest.mark.skipif(not VLLM_PYTHON.is_file(),
+                              reason=f"no vLLM environment at {VLLM_PYTHON} (build it with `make vllm-env`)")
+NEW = 16
+
+
+def test_missing_vllm_environment_names_the_key_and_the_make_target(tmp_path):
+    ev = EvalConfig(methods=["target_only", "vllm_generate"], vllm_python=str(tmp_path / "no" / "python"))
+    with pytest.raises(ConfigError, match=r"eval\.vllm_python.*make vllm-env"):
+        check_methods(ev)
+    check_methods(EvalConfig(methods=["target_only"], vllm_python=str(tmp_path / "no" / "python")))  # not needed
+
+
+def test_clipping_and_comparison_count_rounds_as_our_engine_does():
+    # 8 new tokens = 1 from the prefill + 7 from rounds; vLLM's last step verified 3 drafts and
+    # accepted all though only 3 tokens were left: its counters credit one token past the end
+    vllm = PromptRun("vllm_drafter", "p", list(range(8)), 1.0, accepted=[2, 0, 3], drafted=[3, 3, 3])
+    assert overshoot([vllm]) == (3 + 1 + 4) - 7
+    assert clipped(vllm, 3) == [2, 0, 2]  # our engine's last round drafts γ = left − 1 = 2
+    engine = PromptRun("drafter", "p", list(range(8)), 1.0, accepted=[2, 0, 2], drafted=[3, 3, 2])
+    cmp = compare_drafter([engine], [vllm], 3)
+    assert cmp["prompts_with_identical_rounds"] == "1/1" and cmp["first_differing_rounds"] == []
+    assert cmp["vllm_tau"] == pytest.approx(1 + 5 / 3) and cmp["engine_tau"] == pytest.approx(1 + 4 / 3)
+    assert cmp["vllm_tau_clipped_to_max_new_tokens"] == pytest.approx(cmp["engine_tau"])
+
+
+def _drafter(name: str, tiny_target, seed: int, **cfg):
+    from components.drafters import build_drafter
+
+    torch.manual_seed(seed)
+    d = build_drafter(DrafterConfig(name=name, **cfg), tiny_target)
+    with torch.no_grad():  # random but not degenerate (norms start as ones)
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return d.eval()
+
+
+def _ev(**kw) -> EvalConfig:
+    return EvalConfig(max_new_tokens=NEW, lookup_num_drafts=4, warmup=False, vllm_python=str(VLLM_PYTHON), **kw)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@has_vllm
+def test_vllm_plain_ngram_and_exported_drafter(tiny_target, eval_prompt_list):
+    methods = ["target_only", "drafter", "vllm_generate", "vllm_ngram", "vllm_drafter"]
+    ctx = EvalContext(tiny_target, _ev(methods=methods), drafter=_drafter("eagle3", tiny_target, 0))
+    report = evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+    assert report.unavailable == {} and report.failures == [], (report.unavailable, report.failures)
+    assert list(report.summaries) == methods
+    for name in methods[2:]:
+        s = report.summaries[name]
+        assert s.lossless is True and s.new_tokens == NEW * len(eval_prompt_list) and s.tokens_per_s > 0, name
+        assert s.speedup_vs_vllm_generate is not None and s.extra["timing"], name
+    assert report.summaries["vllm_generate"].rounds == 0 and report.summaries["vllm_generate"].target_forwards == 2 * NEW
+    for name in ("vllm_ngram", "vllm_drafter"):
+        runs, counters = report.runs[name], report.notes[name]["vllm_counters"]
+        assert counters["num_drafts"] == sum(r.rounds for r in runs) > 0, name  # per request = aggregate
+        assert counters["num_accepted_tokens"] == sum(sum(r.accepted) for r in runs), name
+        assert counters["num_draft_tokens"] == sum(sum(r.drafted) for r in runs), name
+        assert all(0 <= a <= d <= 4 for r in runs for a, d in zip(r.accepted, r.drafted)), name
+        if counters["num_drafts"]:
+            assert counters["mean_acceptance_length"] == pytest.approx(report.summaries[name].tau)
+    cmp = report.notes["vllm_drafter"]["vs_engine"]
+    assert cmp["engine_tau"] == pytest.approx(report.summaries["drafter"].tau)
+    assert cmp["vllm_tau"] == pytest.approx(report.summaries["vllm_drafter"].tau)
+    assert report.notes["vllm_drafter"]["num_speculative_tokens"] == report.notes["drafter"]["num_drafts"] == 3
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@has_vllm
+def test_dspark_export_is_unavailable_with_vllms_reason(tiny_target, eval_prompt_list):
+    drafter = _drafter("dspark", tiny_target, 1, num_layers=1, block_size=4, markov_rank=8)
+    ctx = EvalContext(tiny_target, _ev(methods=["target_only", "vllm_drafter"]), drafter=drafter)
+    report = evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+    assert list(report.summaries) == ["target_only"]
+    assert "Model Runner V1 does not support: dspark speculative decoding" in report.unavailable["vllm_drafter"]
