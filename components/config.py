@@ -155,6 +155,10 @@ class TrainConfig:
     cpus_per_worker: float = 0.5  # fractional: Ray Data and Train share small boxes
     torch_threads: int = 1  # torch CPU threads inside each worker
     use_gpu: bool = False  # one GPU per worker; DDP over nccl instead of gloo
+    # Data parallelism of the workers: "ddp" (each holds the whole drafter) or "fsdp" (FSDP2: the
+    # drafter's parameters, gradients and optimizer state sharded over the workers; the target's
+    # shared embedding/LM head are never sharded). Checkpoints are the same either way.
+    strategy: str = "ddp"
     mixed_precision: str = "no"  # "bf16": autocast the objective's forward (GPUs; master weights stay fp32)
     epochs: int = 1  # passes over the training records
     max_steps: int = 0  # > 0: stop after this many optimizer steps (0: epochs decide)

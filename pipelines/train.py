@@ -3,7 +3,11 @@
     python -m pipelines.train conf=dspark.yaml train.data_dir=runs/data
     python -m pipelines.train conf=dspark.yaml train.max_steps=200 train.loss=lk_hybrid
     python -m pipelines.train conf=dspark.yaml "train.objectives=[offline,opd]"
+    python -m pipelines.train conf=dspark.yaml data.mode=stream       # online: no shards on disk
 
+Input: the data stage's shards (``train.data_dir`` or the data stage's output), or, with
+``data.mode=stream`` and no ``train.data_dir``, a rollout stream that the data stage's Ray Data
+actors generate while the workers train (``check_stream_resources``: both must fit at once).
 Holds out ``train.eval_fraction`` of the records, then runs each objective of
 ``train.objectives`` in order as its own Ray Train run (``train.num_workers`` TorchTrainer
 workers, DDP, gloo on CPU) and its own nested MLflow run, starting from the drafter the previous
@@ -34,8 +38,11 @@ import torch
 
 from components.cluster import init_ray
 from components.config import ConfigError, SpeclineConfig
-from components.data.records import RecordMeta, check_meta
+from components.data.prompts import collect_prompts
+from components.data.records import RecordMeta, batch_to_records, check_meta
 from components.data.shards import load_manifest, read_header, read_records
+from components.data.source import describe_target
+from components.data.stream import rollout_stream
 from components.drafters import build_drafter, load_drafter
 from components.io import replace_dir
 from components.target import load_target
@@ -97,6 +104,61 @@ def _train_dataset(data_dir: Path, expect: RecordMeta, held: set[str]) -> Any:
         table = pq.read_table(path)
         tables.append(table.filter(pc.invert(pc.is_in(table["sample_id"], value_set=drop))))
     return ray.data.from_arrow(tables)
+
+
+def check_stream_resources(cfg: SpeclineConfig, cluster: dict[str, float]) -> None:
+    """Streaming input runs the data stage's rollout actors *while* the train workers hold their
+    CPUs (GPUs): Ray Train reserves the workers' resources and leaves Ray Data only the rest of
+    the cluster, so when the workers take it all the rollout actors stay pending forever (seen on
+    a 2-CPU box with 2 workers × 1 CPU: "Active & requested resources: 0/0 CPU (pending: 0.5 CPU)").
+    A ConfigError naming the keys instead of that hang."""
+    tc, dc = cfg.train, cfg.data
+    needs = {"CPU": (tc.num_workers * tc.cpus_per_worker + dc.num_actors * dc.cpus_per_actor,
+                     (f"train.num_workers × train.cpus_per_worker ({tc.num_workers} × {tc.cpus_per_worker}) + "
+                      f"data.num_actors × data.cpus_per_actor ({dc.num_actors} × {dc.cpus_per_actor})"))}
+    if tc.use_gpu or dc.gpus_per_actor:
+        needs["GPU"] = ((tc.num_workers if tc.use_gpu else 0) + dc.num_actors * dc.gpus_per_actor,
+                        (f"train.num_workers ({tc.num_workers}, train.use_gpu={tc.use_gpu}) + "
+                         f"data.num_actors × data.gpus_per_actor ({dc.num_actors} × {dc.gpus_per_actor})"))
+    for kind, (need, how) in needs.items():
+        have = float(cluster.get(kind, 0.0))
+        if need > have + 1e-9:
+            raise ConfigError(f"train: streaming input (data.mode=stream) needs {how} = {need:g} {kind}s at once, "
+                              f"the Ray cluster has {have:g}: the rollout actors would wait forever for the "
+                              f"{kind}s the train workers hold; lower train.cpus_per_worker / data.cpus_per_actor "
+                              "(fractions are fine) or the worker/actor counts")
+
+
+def _stream_inputs(cfg: SpeclineConfig, target: Any, target_path: str, layer_ids: list[int]) -> dict[str, Any]:
+    """Online input: the training prompts as a lazy rollout stream (Ray Data actors generate
+    while the workers train; every epoch regenerates with the same per-prompt seeds), the
+    held-out prompts rolled out once, before training, by an actor pool of the same kind."""
+    import ray
+
+    info = describe_target(cfg, target_path)
+    prompts, _ = collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)
+    held = heldout_ids([p.prompt_id for p in prompts], cfg.train.eval_fraction, cfg.train.seed)
+    check_stream_resources(cfg, ray.cluster_resources())
+    stream = rollout_stream(cfg, info, [p for p in prompts if p.prompt_id not in held])
+    expect = RecordMeta(target=target_path, tokenizer_hash=target.tokenizer_hash, layer_ids=tuple(layer_ids),
+                        last_layer=target.num_layers - 1, hidden_size=target.hidden_size, storage=cfg.data.storage)
+    check_meta(stream.meta, expect, "data stream")
+    heldout: list[Any] = []
+    if held:
+        held_ds = rollout_stream(cfg, info, [p for p in prompts if p.prompt_id in held]).dataset
+        for batch in held_ds.iter_batches(batch_size=64, batch_format="numpy"):
+            heldout += batch_to_records(batch)
+    return {"num_train": len(prompts) - len(held), "dataset": stream.dataset, "heldout": heldout}
+
+
+def _shard_inputs(cfg: SpeclineConfig, data_dir: Path, target: Any, target_path: str,
+                  layer_ids: list[int]) -> dict[str, Any]:
+    """Offline input: the data stage's shards, held-out records removed (and kept for evaluation)."""
+    expect = _expected_meta(data_dir, target, target_path, layer_ids)
+    ids = _sample_ids(data_dir)
+    held = heldout_ids(ids, cfg.train.eval_fraction, cfg.train.seed)
+    heldout = [r for r in read_records(data_dir, expect) if r.sample_id in held]
+    return {"num_train": len(ids) - len(held), "dataset": _train_dataset(data_dir, expect, held), "heldout": heldout}
 
 
 def _fit(cfg: SpeclineConfig, dataset: Any, loop_config: dict[str, Any], storage: Path, name: str) -> Any:
@@ -238,22 +300,22 @@ def _train_objective(cfg: SpeclineConfig, stage: ObjectiveStage, ctx: dict[str, 
 def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
     """Returns upstream plus ``drafter_path``, ``train_checkpoint``, ``train_run_id``, per-objective
     results (``train_objectives``) and the last objective's headline numbers."""
-    data_dir = _data_dir(cfg, upstream)
+    streaming = cfg.data.mode == "stream" and not cfg.train.data_dir
+    data_dir = None if streaming else _data_dir(cfg, upstream)
     chain = resolve_chain(cfg.train)
     target_path = upstream.get("target_path") or resolve_target_path(cfg.target, progress=True)
     target = load_target(dataclasses.replace(cfg.target, name_or_path=target_path), progress=False)
     torch.manual_seed(cfg.train.seed)
     initial = build_drafter(cfg.drafter, target)
-    expect = _expected_meta(data_dir, target, target_path, initial.layer_ids)
-    ids = _sample_ids(data_dir)
-    held = heldout_ids(ids, cfg.train.eval_fraction, cfg.train.seed)
-    tracker.log_params({"train.num_train_records": len(ids) - len(held), "train.num_heldout_records": len(held)})
     init_ray(cfg.ray)
+    inputs = (_stream_inputs(cfg, target, target_path, initial.layer_ids) if data_dir is None
+              else _shard_inputs(cfg, data_dir, target, target_path, initial.layer_ids))
+    tracker.log_params({"train.input": "stream" if data_dir is None else "shards",
+                        "train.num_train_records": inputs["num_train"], "train.num_heldout_records": len(inputs["heldout"])})
     out = Path(cfg.train.output_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    heldout = [r for r in read_records(data_dir, expect) if r.sample_id in held]
-    ctx = {"num_train": len(ids) - len(held), "out": out, "target": target, "target_path": target_path,
-           "dataset": _train_dataset(data_dir, expect, held), "heldout": heldout, "init": None}
+    ctx = {**inputs, "out": out, "target": target, "target_path": target_path, "init": None}
+    heldout = inputs["heldout"]
     evals = {"initial": _evaluate(cfg, initial, heldout)}
     results = []
     for stage in chain:

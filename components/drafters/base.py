@@ -102,12 +102,16 @@ class DraftTrainOutput:
     """What the losses consume: N blocks of γ drafts; draft j of block n predicts x_{a_n+j+1}."""
 
     draft_logits: Tensor  # [N, γ, V] the drafter's logits (after any causal head)
-    target_logits: Tensor  # [N, γ, V] frozen head on the target's last hidden states, detached
+    target_logits: Tensor | None  # [N, γ, V] frozen head on the target's last hidden states, detached
+    # (None when the forward ran with targets=False)
     target_tokens: Tensor  # [N, γ] long, the data tokens (0 where invalid)
     valid: Tensor  # [N, γ] bool, truncated at the first invalid position of each block
     confidence_logits: Tensor | None = None  # [N, γ] confidence head logits c_k
 
     def loss_inputs(self, position_weights: Tensor | None = None) -> LossInputs:
+        if self.target_logits is None:
+            raise DrafterError("loss_inputs: this output has no target logits (training_forward ran with "
+                               "targets=False); run it with targets=True to compute a loss")
         return LossInputs(self.draft_logits, self.target_logits, self.target_tokens, self.valid,
                           position_weights, self.confidence_logits)
 
@@ -152,23 +156,40 @@ def sample_tokens(
     return tokens, probs
 
 
+def block_tokens(
+    batch: DraftBatch,
+    anchors: Tensor,  # [B, A] long, -1 = unused
+    gamma: int,
+) -> tuple[Tensor, Tensor]:  # tokens [B, A, γ] long (0 where invalid), valid [B, A, γ] bool
+    """The recorded tokens x_{a+1..a+γ} of blocks anchored at ``anchors`` and their validity:
+    inside the sequence, supervised (``batch.loss_mask``), and prefix-closed (a draft is valid
+    only if every earlier draft of its block is)."""
+    b, t = batch.input_ids.shape
+    nxt = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(1, gamma + 1, device=anchors.device)  # [B, A, γ]
+    inside = (nxt < t) & (anchors >= 0).unsqueeze(-1)
+    nxt_c = nxt.clamp_max(t - 1).view(b, -1)
+    loss_mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
+    valid = inside & torch.gather(loss_mask.bool(), 1, nxt_c).view_as(nxt)
+    valid = torch.cumprod(valid.to(torch.int32), dim=-1).bool()
+    tokens = torch.gather(batch.input_ids, 1, nxt_c).view_as(nxt)
+    return torch.where(valid, tokens, torch.zeros_like(tokens)), valid
+
+
 def block_targets(
     batch: DraftBatch,
     anchors: Tensor,  # [B, A] long, -1 = unused
     gamma: int,
     shared: SharedParts,
-) -> tuple[Tensor, Tensor, Tensor]:  # target logits [N, γ, V], tokens [N, γ], valid [N, γ]
-    """Targets of blocks anchored at ``anchors``: draft j predicts x_{a+j+1}."""
+    logits: bool = True,
+) -> tuple[Tensor | None, Tensor, Tensor]:  # target logits [N, γ, V] | None, tokens [N, γ], valid [N, γ]
+    """Targets of blocks anchored at ``anchors``: draft j predicts x_{a+j+1}; its target
+    distribution is the frozen head on the target's last hidden state at a+j. ``logits=False``
+    skips the head (tokens and validity only, e.g. to count greedy acceptance)."""
+    tokens, valid = block_tokens(batch, anchors, gamma)
+    if not logits:
+        return None, tokens.view(-1, gamma), valid.view(-1, gamma)
     b, t = batch.input_ids.shape
-    pos = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(gamma, device=anchors.device)  # [B, A, γ]
-    nxt = pos + 1
-    inside = (nxt < t) & (anchors >= 0).unsqueeze(-1)
-    nxt_c, pos_c = nxt.clamp_max(t - 1), pos.clamp_max(t - 1)
-    loss_mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
-    valid = inside & torch.gather(loss_mask.bool(), 1, nxt_c.view(b, -1)).view_as(nxt)
-    valid = torch.cumprod(valid.to(torch.int32), dim=-1).bool()
-    tokens = torch.gather(batch.input_ids, 1, nxt_c.view(b, -1)).view_as(nxt)
-    tokens = torch.where(valid, tokens, torch.zeros_like(tokens))
+    pos_c = (anchors.clamp_min(0).unsqueeze(-1) + torch.arange(gamma, device=anchors.device)).clamp_max(t - 1)
     h = torch.gather(batch.last_hidden, 1, pos_c.view(b, -1, 1).expand(-1, -1, batch.last_hidden.shape[-1]))
     with torch.no_grad():
         target_logits = shared.lm_head(shared.final_norm(h))  # [B, A*γ, V]
@@ -181,12 +202,14 @@ def rows_at_anchors(
     batch: DraftBatch,
     default: Tensor,  # [B, A] anchors used when batch.anchors is None
     shared: SharedParts,
+    targets: bool = True,
 ) -> DraftTrainOutput:
-    """Keeps the blocks at ``batch.anchors`` (or ``default``) and attaches their targets."""
+    """Keeps the blocks at ``batch.anchors`` (or ``default``) and attaches their targets
+    (``targets=False``: no target logits, see :meth:`Drafter.training_forward`)."""
     anchors = batch.anchors if batch.anchors is not None else default
     gamma, v = per_position.shape[2:]
     draft = gather_positions(per_position, anchors).reshape(-1, gamma, v)
-    target_logits, tokens, valid = block_targets(batch, anchors, gamma, shared)
+    target_logits, tokens, valid = block_targets(batch, anchors, gamma, shared, logits=targets)
     return DraftTrainOutput(draft, target_logits, tokens, valid, None)
 
 
@@ -238,8 +261,12 @@ class Drafter(nn.Module, ABC):
 
     # -- what subclasses implement
     @abstractmethod
-    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> DraftTrainOutput:
-        """Teacher-forced drafts for the losses (all blocks of the batch)."""
+    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None,
+                         targets: bool = True) -> DraftTrainOutput:
+        """Teacher-forced drafts for the losses (all blocks of the batch).
+
+        ``targets=False`` leaves ``target_logits`` None (the frozen head is not run): for callers
+        that only compare drafts with the data tokens, e.g. greedy acceptance counts."""
 
     @abstractmethod
     def consume(self, state: DraftState, tokens: Tensor, hidden: Tensor) -> DraftState:

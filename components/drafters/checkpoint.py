@@ -67,9 +67,12 @@ def drafter_config_json(drafter: Drafter) -> dict[str, Any]:
     return out
 
 
-def save_drafter(drafter: Drafter, path: str | Path) -> Path:
-    """Writes ``path``/config.json and model.safetensors atomically (temp dir, then rename)."""
-    tensors = dict(drafter.state_dict())
+def save_drafter(drafter: Drafter, path: str | Path, weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Writes ``path``/config.json and model.safetensors atomically (temp dir, then rename).
+
+    ``weights``: the drafter's state dict to write instead of ``drafter.state_dict()`` (sharded
+    training passes the gathered full tensors)."""
+    tensors = dict(drafter.state_dict() if weights is None else weights)
     if drafter.cfg.store_shared:
         tensors["embed_tokens.weight"] = drafter.shared.embed_tokens.weight
         tensors["lm_head.weight"] = drafter.shared.lm_head.weight

@@ -139,14 +139,15 @@ class DFlashDrafter(Drafter):
         return math.ceil(gamma / self.block_drafts)
 
     # ---------------------------------------------------------------- training
-    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> DraftTrainOutput:
+    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None,
+                         targets: bool = True) -> DraftTrainOutput:
         t = batch.input_ids.shape[1]
         loss_mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
         anchors = batch.anchors if batch.anchors is not None else sample_anchors(loss_mask, self.cfg.num_anchors, generator)
         context = self.target_context(batch.hidden)
         visible = torch.arange(t, device=anchors.device).view(1, 1, -1) < anchors.clamp_min(0).unsqueeze(-1)
         z = self.block_states(batch.input_ids, anchors, context, visible)  # [B, A, bs, H]
-        return self.block_output(batch, anchors, z)
+        return self.block_output(batch, anchors, z, targets)
 
     # Block-level pieces, public so that training objectives (DLoop stages, carryover) can put
     # other context rows beside the target's: the drafter's own states, rejected target states.
@@ -176,14 +177,15 @@ class DFlashDrafter(Drafter):
         """z [B, A, bs, H] → the states of the γ draft slots [B, A, γ, H] (draft j → x_{a+j+1})."""
         return z[:, :, self.first_slot:self.first_slot + self.block_drafts]
 
-    def block_output(self, batch: DraftBatch, anchors: Tensor, z: Tensor) -> DraftTrainOutput:
-        """Teacher-forced readout of blocks z [B, A, bs, H] at anchors [B, A], with their targets."""
+    def block_output(self, batch: DraftBatch, anchors: Tensor, z: Tensor, targets: bool = True) -> DraftTrainOutput:
+        """Teacher-forced readout of blocks z [B, A, bs, H] at anchors [B, A], with their targets
+        (``targets=False``: data tokens and validity only, no target logits)."""
         gamma = self.block_drafts
         zd = self.draft_states(z).reshape(-1, gamma, z.shape[-1])  # [N, γ, H]
         prev_pos = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(gamma, device=anchors.device)
         prev = gather_positions(batch.input_ids, prev_pos).reshape(-1, gamma)  # [N, γ] x_{a+j}
         logits, conf = self.train_readout(zd, prev)
-        target_logits, tokens, valid = block_targets(batch, anchors, gamma, self.shared)
+        target_logits, tokens, valid = block_targets(batch, anchors, gamma, self.shared, logits=targets)
         return DraftTrainOutput(logits, target_logits, tokens, valid, conf)
 
     def train_readout(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:

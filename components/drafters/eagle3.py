@@ -110,7 +110,8 @@ class Eagle3Drafter(Drafter):
     def fuse(self, hidden: Tensor) -> Tensor:  # [B, T, n, H] -> [B, T, H]
         return self.fc(hidden.to(self.fc.weight.dtype).flatten(2))
 
-    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> DraftTrainOutput:
+    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None,
+                         targets: bool = True) -> DraftTrainOutput:
         b, t = batch.input_ids.shape
         steps = int(self.cfg.ttt_steps)
         base = torch.arange(t, device=batch.input_ids.device).expand(b, t)
@@ -130,7 +131,7 @@ class Eagle3Drafter(Drafter):
             keys.append(k)
             values.append(v)
             logits.append(self.lm_head(self.norm(g)))  # [B, T, V]: row j's draft s
-        return rows_at_anchors(torch.stack(logits, dim=2), batch, base, self.shared)
+        return rows_at_anchors(torch.stack(logits, dim=2), batch, base, self.shared, targets)
 
     def consume(self, state: DraftState, tokens: Tensor, hidden: Tensor) -> DraftState:
         """Only K/V are needed for committed positions: one projection, no attention."""

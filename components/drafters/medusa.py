@@ -77,13 +77,14 @@ class MedusaDrafter(Drafter):
             raise DrafterError(f"medusa has {len(self.blocks)} heads, asked for {gamma} drafts")
         return torch.stack([self.lm_head(block(h)) for block in self.blocks[:gamma]], dim=-2)
 
-    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> DraftTrainOutput:
+    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None,
+                         targets: bool = True) -> DraftTrainOutput:
         b, t = batch.input_ids.shape
         gamma = len(self.blocks)
         h = shift_right(self._normed(batch.hidden))  # row a reads h_{a-1}; row 0 has none
         if batch.anchors is None:
             batch = dataclasses.replace(batch, anchors=torch.arange(1, t, device=h.device).expand(b, t - 1))
-        out = rows_at_anchors(self._heads(h, gamma), batch, batch.anchors, self.shared)
+        out = rows_at_anchors(self._heads(h, gamma), batch, batch.anchors, self.shared, targets)
         out.valid &= (batch.anchors >= 1).reshape(-1, 1)
         return out
 

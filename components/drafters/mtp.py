@@ -90,7 +90,8 @@ class MTPDrafter(Drafter):
     def _h(self, hidden: Tensor) -> Tensor:  # [B, T, n, H] -> [B, T, H] the target's last layer
         return hidden[:, :, -1].to(self.layers[0].eh_proj.weight.dtype)
 
-    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> DraftTrainOutput:
+    def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None,
+                         targets: bool = True) -> DraftTrainOutput:
         b, t = batch.input_ids.shape
         gamma = self.num_drafts
         pos = torch.arange(t, device=batch.input_ids.device).expand(b, t)
@@ -102,7 +103,7 @@ class MTPDrafter(Drafter):
             logits = self.lm_head(module.norm(out))  # [B, T, V], position j predicts x_{j+1}
             drafts.append(gather_positions(logits, pos + s))  # block anchored at a: step s at a+s
             g = shift_right(out)
-        return rows_at_anchors(torch.stack(drafts, dim=2), batch, pos, self.shared)
+        return rows_at_anchors(torch.stack(drafts, dim=2), batch, pos, self.shared, targets)
 
     def consume(self, state: DraftState, tokens: Tensor, hidden: Tensor) -> DraftState:
         b, t = tokens.shape

@@ -16,6 +16,7 @@ from typing import Any
 from components.config import ConfigError, TrainConfig
 from components.training.objectives import OBJECTIVES, objective_class
 from components.training.objectives.base import objective_params
+from components.training.sharding import check_strategy
 
 # Fields that belong to the whole stage, not to one objective.
 STAGE_ONLY = ("objectives", "per_objective", "data_dir", "output_dir", "eval_fraction", "run_name")
@@ -33,6 +34,7 @@ class ObjectiveStage:
 
 def resolve_chain(tc: TrainConfig) -> list[ObjectiveStage]:
     """The stages of ``tc.objectives`` in order, or a ConfigError naming what is wrong."""
+    check_strategy(tc.strategy)
     if not tc.objectives:
         raise ConfigError("train.objectives: empty; name at least one of " + ", ".join(sorted(OBJECTIVES)))
     names = list(tc.objectives)
@@ -54,6 +56,8 @@ def _stage(tc: TrainConfig, name: str) -> ObjectiveStage:
     if bad:
         raise ConfigError(f"train.per_objective.{name}: {bad} apply to the whole train stage, set them under train")
     train_keys = {k: values.pop(k) for k in list(values) if k in fields}
+    if "strategy" in train_keys:
+        check_strategy(train_keys["strategy"], f"train.per_objective.{name}.strategy")
     cls = objective_class(name)
     if "loss" not in train_keys and cls.default_loss is not None:
         train_keys.setdefault("loss_params", {})

@@ -41,9 +41,7 @@ def evaluate_records(drafter: Drafter, loss: DrafterLoss, records: Iterable[Reco
     sim = Rounds([], [], [])
     for group in chunks(records, batch_size):
         batch = collate(group)
-        rounds = simulate_rounds(drafter, batch)
-        for mine, theirs in ((sim.anchors, rounds.anchors), (sim.accepted, rounds.accepted), (sim.reachable, rounds.reachable)):
-            mine.extend(theirs)
+        sim.extend(simulate_rounds(drafter, batch))
         out = drafter.training_forward(batch, gen)
         lo = loss(out.loss_inputs())
         n_k = out.valid.sum(0).double()  # [γ]

@@ -1,10 +1,13 @@
 """The per-worker training function a Ray ``TorchTrainer`` runs (one objective of the chain).
 
 Each worker loads the frozen target (the drafter borrows its embedding and LM head), builds the
-drafter (or loads the previous objective's), builds the stage's objective, wraps it in DDP
-(gloo on CPU) when there are several workers, resumes from ``ray.train.get_checkpoint()`` when the run (same name + storage path) has one, and iterates its
-shard of the "train" dataset for ``total_steps`` optimizer steps. Every rank stops at the same
-batch count per epoch (``steps_per_epoch``), so DDP never waits on a rank that ran dry.
+drafter (or loads the previous objective's), builds the stage's objective, resumes from
+``ray.train.get_checkpoint()`` when the run (same name + storage path) has one (weights before
+wrapping), wraps the objective per ``train.strategy`` when there are several workers (DDP, or
+FSDP2 sharding the drafter's parameters: components/training/sharding.py; gloo on CPU), and
+iterates its shard of the "train" dataset for ``total_steps`` optimizer steps. Every rank stops
+at the same batch count per epoch (``steps_per_epoch``), so DDP/FSDP never wait on a rank that
+ran dry.
 
 Rank 0 logs metrics to the driver's MLflow run (Ray Train V2 rejects MLflowLoggerCallback) and
 saves checkpoints that every rank reports together. Only rank 0's RNG state is checkpointed;
@@ -14,6 +17,7 @@ Knows Ray Train, torch.distributed and the training components; nothing about pi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import tempfile
@@ -26,19 +30,22 @@ import torch.distributed as dist
 
 from components.config import SpeclineConfig
 from components.drafters import build_drafter, load_drafter
+from components.training import sharding
 from components.training.batches import numpy_batch_to_draft
-from components.training.checkpoints import load_checkpoint, save_checkpoint
+from components.training.checkpoints import (
+    load_trainer_state,
+    load_weights,
+    read_trainer_state,
+    save_checkpoint,
+)
 from components.training.objectives import ObjectiveContext, build_objective, objective_class
+from components.training.sharding import distributed
 from components.training.step import TrainState, build_train_loss, new_train_state, train_step
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def all_sum(values: list[float]) -> list[float]:
     """Sums ``values`` over ranks (identity in a single process)."""
-    if not _distributed():
+    if not distributed():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
@@ -48,12 +55,6 @@ def all_sum(values: list[float]) -> list[float]:
 def all_agree(ok: bool) -> bool:
     """True only if every rank says True."""
     return all_sum([0.0 if ok else 1.0])[0] == 0.0
-
-
-def _wrap_ddp(module: torch.nn.Module) -> torch.nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(module, find_unused_parameters=True) if _distributed() else module
 
 
 class MetricSink:
@@ -76,31 +77,49 @@ class MetricSink:
         self.client.log_batch(self.run_id, metrics=items)
 
 
-def _resume(state: TrainState, seed: int, rank: int) -> dict[str, Any]:
-    """Loads the run's latest checkpoint into ``state`` if there is one; returns its extra."""
-    import ray.train
-
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is None:
+def _restore(state: TrainState, ckpt_dir: str | None, seed: int, rank: int) -> dict[str, Any]:
+    """Optimizer, schedule, RNG and position from the run's checkpoint (weights are already in:
+    :func:`_build_state`); returns its extra."""
+    if ckpt_dir is None:
         return {}
-    with ckpt.as_directory() as d:
-        meta = load_checkpoint(state, d)
+    meta = load_trainer_state(state, ckpt_dir)
     if rank != 0:
         state.generator.manual_seed(seed * 1_000_003 + rank * 7919 + state.step)
     return meta.get("extra", {})
 
 
+def _build_state(config: dict[str, Any], cfg: SpeclineConfig, target: Any, rank: int) -> tuple[TrainState, dict[str, Any]]:
+    """The worker's train state, resumed from ``ray.train.get_checkpoint()`` when the run (same
+    name + storage path) has one: the weights go into the plain drafter *before* it is wrapped
+    (DDP, or FSDP which shards it), the optimizer state after. Returns (state, checkpoint extra)."""
+    import ray.train
+
+    drafter, objective = _drafter_and_objective(config, cfg, target)
+    seed = cfg.train.seed * 1_000_003 + rank * 7919
+    strategy = cfg.train.strategy
+    ckpt = ray.train.get_checkpoint()
+    with ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(None) as ckpt_dir:
+        if ckpt_dir is not None:
+            read_trainer_state(ckpt_dir)  # refuses a broken checkpoint before touching the weights
+            load_weights(drafter, ckpt_dir)
+        state = new_train_state(drafter, cfg.train, config["total_steps"], seed,
+                                lambda m: sharding.wrap(m, strategy), objective)
+        return state, _restore(state, ckpt_dir, cfg.train.seed, rank)
+
+
 def _report(state: TrainState, metrics: dict[str, float], rank: int, checkpoint: bool) -> None:
-    """ray.train.report on every rank; rank 0 attaches a freshly written checkpoint."""
+    """ray.train.report on every rank; rank 0 attaches a freshly written checkpoint (sharded
+    weights and optimizer state are gathered on every rank first: a collective)."""
     import ray.train
     from ray.train import Checkpoint
 
     if not checkpoint:
         return
+    full = sharding.gather_full_state(state.drafter, state.optimizer) if sharding.is_sharded(state.drafter) else None
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = None
         if rank == 0:
-            path = save_checkpoint(state, Path(tmp) / "checkpoint", extra={"metrics": metrics})
+            path = save_checkpoint(state, Path(tmp) / "checkpoint", extra={"metrics": metrics}, full=full)
             ckpt = Checkpoint.from_directory(str(path))
         ray.train.report(metrics, checkpoint=ckpt)
 
@@ -110,7 +129,7 @@ def _window_metrics(window: list[dict[str, float]], seconds: float) -> dict[str,
     keys = set().union(*window)
     out = {k: sum(m[k] for m in window if k in m) / sum(1 for m in window if k in m) for k in keys}
     tokens, secs = all_sum([sum(m["train/tokens"] for m in window), seconds])
-    out["train/tokens_per_s"] = tokens / max(1e-9, secs / max(1, dist.get_world_size() if _distributed() else 1))
+    out["train/tokens_per_s"] = tokens / max(1e-9, secs / max(1, dist.get_world_size() if distributed() else 1))
     out["train/lr"] = window[-1]["train/lr"]
     return out
 
@@ -176,10 +195,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, cfg.train.torch_threads))
     rank = ray.train.get_context().get_world_rank()
     target = load_target(dataclasses.replace(cfg.target, name_or_path=config["target_path"]), progress=False)
-    drafter, objective = _drafter_and_objective(config, cfg, target)
-    seed = cfg.train.seed * 1_000_003 + rank * 7919
-    state = new_train_state(drafter, cfg.train, config["total_steps"], seed, _wrap_ddp, objective)
-    extra = _resume(state, cfg.train.seed, rank)
+    state, extra = _build_state(config, cfg, target, rank)
     plan = {"steps_per_epoch": config["steps_per_epoch"], "total_steps": config["total_steps"]}
     sink = MetricSink(config.get("mlflow"), rank)
     if state.step >= plan["total_steps"]:  # a finished run rerun: report its final checkpoint again

@@ -34,6 +34,13 @@ class Rounds:
     accepted: list[list[int]]  # [B][R_b] accepted drafts per round
     reachable: list[list[int]]  # [B][R_b] drafts that could be checked (γ, less at the end)
 
+    def extend(self, other: Rounds) -> Rounds:
+        """Appends ``other``'s rows (e.g. the next batch's) to these; returns self."""
+        self.anchors.extend(other.anchors)
+        self.accepted.extend(other.accepted)
+        self.reachable.extend(other.reachable)
+        return self
+
     def tau(self) -> float:
         """Mean tokens per round (accepted + 1) over all rounds; NaN without rounds."""
         n = sum(len(a) for a in self.accepted)
@@ -53,7 +60,7 @@ class Rounds:
 @torch.no_grad()
 def accepted_at(drafter: Drafter, batch: DraftBatch, anchors: Tensor) -> tuple[Tensor, Tensor]:
     """Greedy accepted count and checkable drafts [B, A] of the blocks at anchors [B, A] (-1 unused)."""
-    out = drafter.training_forward(dataclasses.replace(batch, anchors=anchors))
+    out = drafter.training_forward(dataclasses.replace(batch, anchors=anchors), targets=False)  # no target head
     m = greedy_accepted(out.draft_logits, out.target_tokens, out.valid)
     return m.view(anchors.shape), out.valid.sum(1).view(anchors.shape)
 

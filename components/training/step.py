@@ -25,6 +25,7 @@ from components.config import TrainConfig
 from components.drafters.base import DraftBatch, Drafter
 from components.losses import DrafterLoss, build_loss
 from components.training.batches import supervised_tokens
+from components.training.sharding import check_strategy, full_tensor
 
 Agree = Callable[[bool], bool]  # local flag → all ranks' verdict
 MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,7 +40,7 @@ class TrainState:
     """Everything a resumed run needs besides the data: weights, optimizer, schedule, RNG, position."""
 
     drafter: Drafter
-    objective: nn.Module  # an Objective (components/training/objectives), or DDP around it
+    objective: nn.Module  # an Objective (components/training/objectives), or DDP/FSDP around it
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     generator: torch.Generator  # anchor sampling
@@ -64,7 +65,8 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def new_train_state(drafter: Drafter, cfg: TrainConfig, total_steps: int, seed: int,
                     wrap: Callable[[nn.Module], nn.Module] | None = None, objective: nn.Module | None = None) -> TrainState:
-    """Fresh AdamW + warmup/cosine schedule over ``total_steps``; ``wrap`` e.g. adds DDP.
+    """Fresh AdamW + warmup/cosine schedule over ``total_steps``; ``wrap`` e.g. adds DDP or FSDP
+    (:func:`components.training.sharding.wrap`; the optimizer sees the wrapped, maybe sharded, parameters).
 
     ``objective`` defaults to the offline objective with ``cfg``'s loss."""
     if objective is None:
@@ -78,6 +80,7 @@ def new_train_state(drafter: Drafter, cfg: TrainConfig, total_steps: int, seed: 
     schedule = lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     generator = torch.Generator().manual_seed(seed)
+    check_strategy(cfg.strategy)
     if cfg.mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"train.mixed_precision: '{cfg.mixed_precision}' is not one of {sorted(MIXED_PRECISION)}")
     return TrainState(drafter, objective, optimizer, scheduler, generator, autocast=MIXED_PRECISION[cfg.mixed_precision])
@@ -104,7 +107,7 @@ def train_step(state: TrainState, batch: DraftBatch, grad_clip: float = 1.0,
     loss.backward()
     params = [p for p in state.drafter.parameters() if p.grad is not None]
     limit = grad_clip if grad_clip > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, limit))  # FSDP: a DTensor of partial norms
     _check(bool(torch.isfinite(norm)), agree, f"gradient norm ({float(norm)})", state.step)
     lr = state.optimizer.param_groups[0]["lr"]
     state.optimizer.step()

@@ -1,4 +1,4 @@
-"""The train stage on real Ray Train (2 CPU workers, gloo DDP): loss, checkpoint, MLflow, resume."""
+"""The train stage on real Ray Train (2 CPU workers, gloo DDP or FSDP): loss, checkpoint, MLflow, resume."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from components.config import SpeclineConfig, TrainConfig
-from components.drafters import load_drafter
+from components.drafters import build_drafter, load_drafter
 from components.tracking import Tracker
+from components.training.checkpoints import read_trainer_state
 from pipelines import train
 from tests.pipelines.conftest import TRAIN_DATA, TRAIN_DRAFTER
 
@@ -86,3 +87,23 @@ def test_chain_offline_then_opd_on_two_workers_resumes_and_registers(tmp_path, t
     assert len(list(storage.glob("opd-from-*"))) == 2
     assert json.loads((Path(resumed["drafter_path"]) / "config.json").read_text())["name"] == "dspark"
     assert resumed["registered_version"] == out["registered_version"] + 1
+
+
+def test_fsdp_on_two_workers_lowers_the_loss_and_writes_a_loadable_drafter(tmp_path, tiny_target_cfg, tiny_target,
+                                                                          data_dir, ray_session):
+    """One short FSDP run (the sharded resume itself: tests/components/training/test_sharding.py;
+    the Ray resume path is the one the DDP test above takes)."""
+    cfg = _cfg(tmp_path, tiny_target_cfg, data_dir, strategy="fsdp", max_steps=6, log_every=3, checkpoint_every=3)
+    tracker = Tracker(cfg)
+    with tracker.run("train-fsdp"):
+        out = train.run(cfg, tracker, {})
+    (offline,) = out["train_objectives"]
+    assert offline["steps"] == 6 and offline["loss_last"] < offline["loss_first"], offline
+    drafter = load_drafter(out["drafter_path"], tiny_target)  # the ordinary drafter format, full tensors
+    fresh = build_drafter(cfg.drafter, tiny_target)
+    assert drafter.state_dict().keys() == fresh.state_dict().keys()
+    assert all(a.shape == b.shape for a, b in zip(drafter.state_dict().values(), fresh.state_dict().values()))
+    assert any(not torch.equal(a, b) for a, b in zip(drafter.parameters(), fresh.parameters()))  # trained
+    ckpt = Path(offline["checkpoint"])
+    assert read_trainer_state(ckpt)["step"] == 6 and (ckpt / "optimizer.safetensors").is_file()
+    assert out["heldout_tau"] >= 1

@@ -40,7 +40,13 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from components.drafters.base import DraftBatch, Drafter, DrafterError, DraftTrainOutput
+from components.drafters.base import (
+    DraftBatch,
+    Drafter,
+    DrafterError,
+    DraftTrainOutput,
+    block_tokens,
+)
 from components.drafters.dflash import DFlashDrafter, sample_anchors
 from components.drafters.layers import KV
 from components.losses import DrafterLoss, LossOutput
@@ -60,18 +66,6 @@ class FirstDraft:
     checkable: Tensor  # [B, A] long, drafts inside the sequence and supervised
     second: Tensor  # [B, A] long, a2 = a + m + 1 where its block can be trained, else -1
     rows: Tensor  # [B, A] long, carryover rows γ − m (0: full accept or no second block)
-
-
-def _block_tokens(batch: DraftBatch, anchors: Tensor, gamma: int) -> tuple[Tensor, Tensor]:
-    """Recorded x_{a+1..a+γ} [B, A, γ] and their checkability (inside, supervised, prefix-closed)."""
-    b, t = batch.input_ids.shape
-    pos = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(1, gamma + 1, device=anchors.device)
-    inside = (pos < t) & (anchors >= 0).unsqueeze(-1)
-    pos_c = pos.clamp_max(t - 1).view(b, -1)
-    mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
-    valid = inside & torch.gather(mask.bool(), 1, pos_c).view_as(pos)
-    valid = torch.cumprod(valid.to(torch.int32), dim=-1).bool()
-    return torch.gather(batch.input_ids, 1, pos_c).view_as(pos), valid
 
 
 def _supervised_next(batch: DraftBatch, anchors: Tensor) -> Tensor:
@@ -131,7 +125,7 @@ class CarryoverObjective(Objective):
                 drafts[:, lo:lo + a.shape[1]] = prop.tokens.view(*a.shape, gamma)
         finally:
             d.train(was_training)
-        tokens, valid = _block_tokens(batch, anchors, gamma)
+        tokens, valid = block_tokens(batch, anchors, gamma)  # [B, A, γ] x_{a+1..a+γ}, checkable
         accepted = torch.cumprod(((drafts == tokens) & valid).to(torch.int32), dim=-1).sum(-1).long()
         checkable = valid.sum(-1).long()
         second = anchors + accepted + 1
