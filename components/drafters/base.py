@@ -149,7 +149,14 @@ def sample_tokens(
     sampling: SamplingParams,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:  # tokens [B, ...] long, probs [B, ..., V]
-    """Draws one token per row from the processed distribution (greedy rows take the argmax)."""
+    """Draws one token per row from the processed distribution (greedy rows take the argmax).
+
+    All-greedy settings (a scalar temperature 0) skip processing and the draw: the argmax and
+    its one-hot, exactly what processing + multinomial would give, without touching ``generator``."""
+    if not isinstance(sampling.temperature, Tensor) and sampling.temperature <= 0:
+        tokens = logits.argmax(dim=-1)
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return tokens, probs.scatter_(-1, tokens.unsqueeze(-1), 1.0)
     probs = probs_from_logits(logits, sampling)
     flat = probs.reshape(-1, probs.shape[-1])
     tokens = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])

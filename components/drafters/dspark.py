@@ -127,20 +127,20 @@ class DSparkDrafter(DFlashDrafter):
         """Left-to-right sampling: draft k's bias reads the token drafted at k−1."""
         base = self.lm_head(z)  # [B, γ, V] one backbone pass already done
         prev, carry = last_token, None
-        tokens, logits, probs, conf = [], [], [], []
+        tokens, logits, probs, prevs = [], [], [], []
         for j in range(z.shape[1]):
             logit_j = base[:, j]
             if self.markov_head is not None:
                 bias, carry = self.markov_head.step(z[:, j], prev, carry)
                 logit_j = logit_j + bias
-            c = self._confidence(z[:, j], prev)
             tok, p = sample_tokens(logit_j, sampling, generator)
             tokens.append(tok)
             logits.append(logit_j)
             probs.append(p)
-            conf.append(torch.sigmoid(c) if c is not None else None)
+            prevs.append(prev)
             prev = tok
-        confidences = torch.stack(conf, dim=1) if conf[0] is not None else None
+        c = self._confidence(z, torch.stack(prevs, dim=1))  # [B, γ] in one call, after the draws
+        confidences = torch.sigmoid(c) if c is not None else None
         return Proposal(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1), confidences)
 
     def causal_tree_head(self, z: Tensor):  # z [γ, H] one proposal's slot states -> CausalHead
