@@ -189,7 +189,7 @@ class EvalConfig:
     """Stage ``eval``: τ, acceptance by position, tokens/s and speedup of every method in
     ``methods`` on the same held-out prompts, in the same process (components/evaluation/)."""
 
-    # target_only | drafter | drafter_dloop | prompt_lookup (our engine) | hf_generate |
+    # target_only | drafter | drafter_dloop | drafter_tree (opt-in) | prompt_lookup (our engine) | hf_generate |
     # hf_prompt_lookup | hf_assisted (transformers' generate, the peers) | vllm_* (vLLM, opt-in,
     # see vllm_python below). Speedups are against target_only.
     methods: list[str] = field(default_factory=lambda: [
@@ -208,6 +208,8 @@ class EvalConfig:
     seed: int = 0  # per-prompt seeds derive from this and the prompt id
     drafter_path: str | None = None  # None: the train stage's drafter (upstream drafter_path)
     num_drafts: int | None = None  # γ of the trained drafter; None: its own default
+    tree_budget: int = 16  # drafter_tree: token-tree nodes per round (components/engine/tree.py)
+    tree_builder: str = "ddtree"  # drafter_tree: ddtree (per-depth marginals) | causal (DSpark's causal head)
     loop_stages: int = 3  # drafter_dloop: at most this many drafting stages per round (DLoop)
     loop_gate: float = -1.0  # drafter_dloop: another stage while Σ log q(stage drafts) ≥ this
     carryover: bool = False  # drafter methods: rejected target states as next-round context (carryover-trained drafters)

@@ -4,7 +4,8 @@ Ours (``components.engine``, timed by the engine itself, prefill included):
 
 * ``target_only``   -- plain decoding, one target pass per token: the reference every speedup
   and every lossless check is measured against;
-* ``drafter``       -- the speculative engine with the trained drafter;
+* ``drafter``       -- the speculative engine with the trained drafter (``drafter_dloop``:
+  DLoop stages; ``drafter_tree``: token trees, ``TreeEngine``);
 * ``prompt_lookup`` -- the speculative engine with the n-gram ``PromptLookupDrafter``.
 
 Peers (transformers' ``generate`` on the same target object, see ``hf.py``):
@@ -28,8 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from components.config import ConfigError, EvalConfig
-from components.engine import RULES, PromptLookupDrafter, SpeculativeEngine, target_only_generate
+from components.engine import (
+    RULES,
+    PromptLookupDrafter,
+    SpeculativeEngine,
+    TreeEngine,
+    target_only_generate,
+)
 from components.engine.engine import GenerationResult
+from components.engine.tree import TREE_RULES
 from components.evaluation.hf import hf_generate
 from components.evaluation.metrics import PromptRun
 from components.spec.sampling import SamplingParams
@@ -101,6 +109,27 @@ def drafter_dloop(ctx: EvalContext) -> MethodFn:
                           loop_stages=ctx.ev.loop_stages, loop_gate=ctx.ev.loop_gate, carryover=ctx.ev.carryover)
 
 
+def drafter_tree(ctx: EvalContext) -> MethodFn:
+    """The trained drafter with token trees (batch 1): ``eval.tree_budget`` nodes per round."""
+    ev = ctx.ev
+    if ev.rule not in TREE_RULES:
+        raise ConfigError(f"eval.rule: drafter_tree verifies trees under {list(TREE_RULES)}, not '{ev.rule}'")
+    if ev.tree_builder not in ("ddtree", "causal") or ev.tree_budget < 1:
+        raise ConfigError(f"eval.tree_builder/tree_budget: '{ev.tree_builder}'/{ev.tree_budget}; the builder is "
+                          "ddtree or causal, the budget at least 1 node")
+    try:
+        engine = TreeEngine(ctx.target, _trained(ctx, "drafter_tree"), ev.rule, ev.num_drafts,
+                            budget=ev.tree_budget, builder=ev.tree_builder)
+    except ValueError as err:
+        raise ConfigError(f"eval.tree_builder: {err}") from err
+    ctx.notes["drafter_tree"] = {"num_drafts": engine.gamma, "rule": ev.rule, "budget": ev.tree_budget,
+                                 "builder": ev.tree_builder}
+
+    def run(ids: list[int], n: int, seed: int) -> PromptRun:
+        return _from_engine("drafter_tree", engine.generate(ids, n, ctx.sampling, seed), drafting=True)
+    return run
+
+
 def prompt_lookup(ctx: EvalContext) -> MethodFn:
     ev = ctx.ev
     lookup = PromptLookupDrafter(ctx.target.vocab_size, ev.lookup_num_drafts, ev.lookup_max_ngram,
@@ -143,7 +172,8 @@ def hf_assisted(ctx: EvalContext) -> MethodFn:
 
 
 METHODS: dict[str, Callable[[EvalContext], MethodFn]] = {
-    "target_only": target_only, "drafter": drafter, "drafter_dloop": drafter_dloop, "prompt_lookup": prompt_lookup,
+    "target_only": target_only, "drafter": drafter, "drafter_dloop": drafter_dloop, "drafter_tree": drafter_tree,
+    "prompt_lookup": prompt_lookup,
     "hf_generate": hf_plain, "hf_prompt_lookup": hf_prompt_lookup, "hf_assisted": hf_assisted,
 }
 HF_METHODS = {"hf_generate", "hf_prompt_lookup", "hf_assisted"}

@@ -92,3 +92,16 @@ def test_carryover_needs_a_carryover_trained_drafter(tiny_target, tiny_target_bu
     ctx = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["drafter"], carryover=True)
     with pytest.raises(ConfigError, match="eval.carryover"):
         evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+
+
+@pytest.mark.parametrize("builder", ["ddtree", "causal"])
+def test_drafter_tree_method_is_lossless(tiny_target, tiny_target_build, drafter_path, eval_prompt_list, builder):
+    ctx = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["target_only", "drafter_tree"],
+               tree_budget=6, tree_builder=builder)
+    report = evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+    s = report.summaries["drafter_tree"]
+    assert report.failures == [] and s.lossless is True and s.rounds > 0
+    assert s.extra["budget"] == 6 and s.extra["builder"] == builder
+    bad = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["drafter_tree"], rule="block")
+    with pytest.raises(ConfigError, match="eval.rule"):
+        METHODS["drafter_tree"](bad)
