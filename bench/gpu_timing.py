@@ -18,7 +18,8 @@ downloaded), the drafters their default configurations on it. Printed and writte
                    equal to plain decoding).
 
 ``--shape tiny`` runs the same script on a small random model in seconds (CPU check). Needs
-torch and transformers (and this repository's components); no Ray, no vLLM.
+torch and transformers (and this repository's components, which import without omegaconf, Ray or
+vLLM).
 """
 
 from __future__ import annotations

@@ -18,11 +18,12 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+if TYPE_CHECKING:  # omegaconf and yaml are imported where configs are loaded, so the dataclasses
+    # (what components import) need neither: e.g. a bare torch+transformers GPU box runs the benches
+    from omegaconf import DictConfig
+    from omegaconf.errors import OmegaConfBaseException
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = PROJECT_ROOT / "conf"
@@ -296,6 +297,8 @@ def resolve_conf_path(conf: str | Path) -> Path:
 
 
 def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
     key = getattr(err, "full_key", None) or "?"
     if isinstance(err, ConfigKeyError):
         return ConfigError(f"{origin}: unknown key '{key}' (check the spelling; see components/config.py)")
@@ -306,6 +309,9 @@ def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
 
 
 def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         return OmegaConf.merge(base, layer)  # type: ignore[return-value]
     except OmegaConfBaseException as err:
@@ -314,6 +320,9 @@ def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
 
 def parse_overrides(overrides: Sequence[str]) -> DictConfig:
     """``["train.lr=3e-4", ...]`` → a DictConfig; a malformed item names itself."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"command line: '{item}' is not a key=value override")
@@ -325,6 +334,10 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
 
 def load(conf: str | Path | None = None, overrides: Sequence[str] = ()) -> SpeclineConfig:
     """Schema defaults ← conf YAML ← overrides, checked against the schema."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     merged: DictConfig = OmegaConf.structured(SpeclineConfig)
     if conf is not None:
         path = resolve_conf_path(conf)
@@ -365,6 +378,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def to_yaml(cfg: Any) -> str:
+    from omegaconf import OmegaConf
+
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
