@@ -110,6 +110,8 @@ class _Running:
     started: float
     proposal: Proposal | None = None  # this round's
     survival: Tensor | None = None  # [γ'] the last proposal's confidence-head survival (if any)
+    pending: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # verified (tokens, hidden) the
+    # drafter has not consumed yet: plain rounds of a speculating row defer it to its next draft
     drafts: Tensor | None = None  # [1, γ_b] this round's
     carried: int = 0
 
@@ -126,6 +128,8 @@ class _Batch:
 
 class BatchEngine:
     """Continuous-batching speculative decoding of ``drafter`` (or plain decoding) on ``target``."""
+
+    defer_plain_updates = True  # plain rounds of speculating rows defer the drafter's update (_consume)
 
     def __init__(self, target: Any, drafter: EngineDrafter | None = None, num_drafts: int | None = None,
                  loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
@@ -264,7 +268,8 @@ class BatchEngine:
 
     def _draft(self) -> float:
         """Drafts for every speculating row under this round's cap; returns the seconds spent."""
-        cap, spent = self._cap(), 0.0
+        cap = self._cap()
+        spent = self._flush([r for r in self.batch.rows if r.pending and cap and r.seq.draft_state is not None])
         for run in self.batch.rows:
             run.carried = run.seq.carry_rows
             # as SpeculativeEngine.round: at least one draft, overshoot cut (same randomness use)
@@ -280,6 +285,21 @@ class BatchEngine:
             conf = survival_from_confidences(run.proposal.confidences)
             run.survival = conf[0] if conf is not None else None
         return spent
+
+    def _flush(self, rows: list[_Running]) -> float:
+        """Rows about to draft consume what their plain rounds deferred, in one call; seconds."""
+        if not rows:
+            return 0.0
+        t0 = time.perf_counter()
+        olds = [r.seq.draft_state for r in rows]
+        tokens = [torch.cat([t for t, _ in r.pending], dim=1) for r in rows]  # each [1, k]
+        hidden = [torch.cat([h for _, h in r.pending], dim=1) for r in rows]  # each [1, k, n, H]
+        many = getattr(self.drafter, "consume_many", None)
+        news = many(olds, tokens, hidden) if many is not None else \
+            [self.drafter.consume(s, t, h) for s, t, h in zip(olds, tokens, hidden)]
+        for run, new in zip(rows, news):
+            run.seq.draft_state, run.pending = new, []
+        return time.perf_counter() - t0
 
     def _cap(self) -> int:
         """This round's draft cap from the policy, over the rows that speculate."""
@@ -352,9 +372,19 @@ class BatchEngine:
 
     def _consume(self, rows: list[_Running], accepted: list[int], hidden: Tensor | None) -> list[Any]:
         """Every drafting row's state after consuming x_{n-1} + its accepted drafts (their
-        verify-pass hidden states); one ``consume_many`` call when the drafter batches it."""
-        idx = [b for b, r in enumerate(rows) if r.seq.draft_state is not None]
-        states: list[Any] = [None] * len(rows)
+        verify-pass hidden states); one ``consume_many`` call when the drafter batches it. A
+        speculating row's plain round only records its token and states (``pending``): the
+        drafter consumes them when the row drafts again (``_flush``), so cap-0 rounds cost what
+        plain decoding costs."""
+        states: list[Any] = [r.seq.draft_state for r in rows]
+        idx = []
+        for b, r in enumerate(rows):
+            if r.seq.draft_state is None:
+                continue
+            if r.drafts is None and hidden is not None and self.defer_plain_updates:
+                r.pending.append((r.seq.last_token[:, None], hidden[b:b + 1, :1]))
+            else:
+                idx.append(b)
         if not idx:
             return states
         tokens = [rows[b].seq.last_token[:, None] if rows[b].drafts is None else
