@@ -47,8 +47,8 @@ from components.engine.engine import (
     GenerationResult,
     Sequence,
     SpeculativeEngine,
-    _randomness,
-    _sync,
+    new_randomness,
+    sync_device,
 )
 from components.engine.rules import RULES, RoundRandomness, Rule, get_rule
 from components.engine.schedule import (
@@ -254,14 +254,14 @@ class BatchEngine:
     def _prefill(self, req: Request) -> tuple[_Running, RaggedCache]:
         dev = self.target.device
         clock = time.perf_counter()
-        rule, rnd = get_rule(req.rule), _randomness(req.sampling, req.seed, dev)
+        rule, rnd = get_rule(req.rule), new_randomness(req.sampling, req.seed, dev)
         prompt = torch.tensor([req.prompt_ids], dtype=torch.long, device=dev)
         speculate = req.speculate and self.drafter is not None
         out = self.target.forward(prompt, layer_ids=self.layer_ids if speculate else (), use_cache=True)
         p = prompt.shape[1]
         first = rule.sample_target(out.logits[:, -1:], torch.tensor([[p]], device=dev), rnd)[:, 0]
         state = self.drafter.consume(self.drafter.init_state(1), prompt, out.hidden) if speculate else None
-        _sync(dev)
+        sync_device(dev)
         res = GenerationResult([], target_forwards=1, prefill_seconds=time.perf_counter() - clock)
         seq = Sequence(None, state, first, p + 1, [int(first)])
         return _Running(req, rule, rnd, seq, res, clock), RaggedCache.single(out.cache)
@@ -279,7 +279,7 @@ class BatchEngine:
                 continue
             t0 = time.perf_counter()
             run.proposal, run.drafts = self._engines[run.request.rule].draft(run.seq, gamma, run.rnd)
-            _sync(run.drafts.device)
+            sync_device(run.drafts.device)
             run.result.draft_seconds += time.perf_counter() - t0
             spent += time.perf_counter() - t0
             conf = survival_from_confidences(run.proposal.confidences)
@@ -330,7 +330,7 @@ class BatchEngine:
         t0 = time.perf_counter()
         out = self.target.forward(ids, attention_mask=cache.attention_mask(width), layer_ids=self.layer_ids,
                                   cache=cache.cache, use_cache=True, position_ids=positions)
-        _sync(dev)
+        sync_device(dev)
         return out.logits, out.hidden, time.perf_counter() - t0
 
     def _accept(self, logits: Tensor, hidden: Tensor | None, forward_seconds: float) -> list[StepOutput]:

@@ -103,12 +103,14 @@ class Sequence:
     carry_rows: int = 0  # carryover rows in draft_state (rejected drafts of the last round)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Waits for queued GPU work, so that wall-clock timings cover it (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _randomness(sampling: SamplingParams, seed: int, device: torch.device) -> RoundRandomness:
+def new_randomness(sampling: SamplingParams, seed: int, device: torch.device) -> RoundRandomness:
+    """One request's sources of randomness: a generator seeded with ``seed`` and its Gumbel seed."""
     gen = torch.Generator(device=device).manual_seed(seed)
     return RoundRandomness(sampling, gen, torch.tensor([seed], dtype=torch.long, device=device))
 
@@ -219,10 +221,10 @@ class SpeculativeEngine:
                  seed: int = 0) -> GenerationResult:
         """Exactly ``max_new_tokens`` new token ids after ``prompt_ids`` (lossless under the rule)."""
         dev = self.target.device
-        rnd = _randomness(sampling, seed, dev)
+        rnd = new_randomness(sampling, seed, dev)
         clock = time.perf_counter()
         seq = self.prefill(torch.tensor([prompt_ids], dtype=torch.long, device=dev), rnd)
-        _sync(dev)
+        sync_device(dev)
         res = GenerationResult([], target_forwards=1, prefill_seconds=time.perf_counter() - clock)
         while len(seq.new_tokens) < max_new_tokens:
             seq = self.round(seq, max_new_tokens - len(seq.new_tokens), rnd, res)
@@ -237,11 +239,11 @@ class SpeculativeEngine:
         carried = seq.carry_rows
         t0 = time.perf_counter()
         prop, drafts = self.draft(seq, gamma, rnd)
-        _sync(dev)
+        sync_device(dev)
         t1 = time.perf_counter()
         result, hidden, cache = self.verify(seq, prop, drafts, rnd)
         seq = self.accept(seq, drafts, result, hidden, cache)
-        _sync(dev)
+        sync_device(dev)
         res.draft_seconds += t1 - t0
         res.verify_seconds += time.perf_counter() - t1
         res.rounds += 1
@@ -269,7 +271,7 @@ def target_only_generate(target: Any, prompt_ids: list[int], max_new_tokens: int
     """The baseline: the target alone, one token per forward, sampled as ``rule``'s target side
     (greedy argmax; Gumbel-max with the same position-keyed noise; multinomial otherwise)."""
     dev = target.device
-    chooser, rnd = get_rule(rule), _randomness(sampling, seed, dev)
+    chooser, rnd = get_rule(rule), new_randomness(sampling, seed, dev)
     clock = time.perf_counter()
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     out = target.forward(ids, use_cache=True)
@@ -284,6 +286,6 @@ def target_only_generate(target: Any, prompt_ids: list[int], max_new_tokens: int
         out = target.forward(token, cache=out.cache, use_cache=True)
         res.target_forwards += 1
         res.rounds += 1
-    _sync(dev)
+    sync_device(dev)
     res.total_seconds = time.perf_counter() - clock
     return res

@@ -36,9 +36,11 @@ DEFAULT_PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 @torch.no_grad()
 def profile_forward_time(target: Any, sizes: tuple[int, ...] = DEFAULT_PROFILE_SIZES, context: int = 64,
-                         reps: int = 3) -> ProfileTable:
+                         reps: int = 5) -> ProfileTable:
     """T(n): median seconds of one target forward over n new tokens (as ``n/16`` rows of up to
-    16 tokens) on top of a ``context``-token cache per row. Measured on ``target`` as it is."""
+    16 tokens) on top of a ``context``-token cache per row, made non-decreasing in n (a wider
+    pass never costs less; timing noise on a busy host would otherwise invert neighbours).
+    Measured on ``target`` as it is."""
     dev, times = target.device, []
     for n in sizes:
         rows = max(1, n // 16) if n >= 16 else 1
@@ -56,7 +58,8 @@ def profile_forward_time(target: Any, sizes: tuple[int, ...] = DEFAULT_PROFILE_S
                 torch.cuda.synchronize(dev)
             samples.append(time.perf_counter() - t0)
         times.append(sorted(samples[1:])[reps // 2])
-    return ProfileTable(list(sizes), times)
+    monotone = torch.tensor(times, dtype=torch.float64).cummax(dim=0).values
+    return ProfileTable(list(sizes), monotone)
 
 
 class FixedDraftLength:

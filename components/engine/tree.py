@@ -37,7 +37,7 @@ from components.engine.engine import (
     GenerationResult,
     Sequence,
     SpeculativeEngine,
-    _sync,
+    sync_device,
 )
 from components.engine.rules import GumbelRule, RoundRandomness
 from components.spec.sampling import SamplingParams, log_probs_from_logits, probs_from_logits
@@ -130,11 +130,11 @@ class TreeEngine(SpeculativeEngine):
         depth = max(1, min(self.gamma, remaining - 1))
         t0 = time.perf_counter()
         tree = self.draft_tree(seq, depth, rnd)
-        _sync(dev)
+        sync_device(dev)
         t1 = time.perf_counter()
         result, hidden, cache = self.verify_tree(seq, tree, rnd)
         seq = self.accept_tree(seq, tree, result, hidden, cache)
-        _sync(dev)
+        sync_device(dev)
         res.draft_seconds += t1 - t0
         res.verify_seconds += time.perf_counter() - t1
         res.rounds += 1

@@ -232,3 +232,11 @@ def test_plain_rounds_defer_the_drafter_update_losslessly(tiny_target, greedy_re
     eager = BatchEngine(tiny_target, drafter, max_batch_size=3, draft_length=ScriptedCap([0, 0, 3, 0, 7]))
     eager.defer_plain_updates = False
     assert [r.accepted for r in results] == [r.accepted for r in eager.generate(requests(tiny_target))]
+
+
+def test_profiled_forward_time_is_non_decreasing(tiny_target):
+    from components.engine.schedule import profile_forward_time
+
+    table = profile_forward_time(tiny_target, sizes=(1, 4, 16, 32), context=8, reps=1)
+    assert table.xs.tolist() == [1, 4, 16, 32] and bool((table.ys[1:] >= table.ys[:-1]).all())
+    assert float(table.ys[0]) > 0
