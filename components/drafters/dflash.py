@@ -236,6 +236,38 @@ class DFlashDrafter(Drafter):
         proposal.states = z
         return proposal
 
+    def propose_many(self, states: list[DraftState], last_tokens: Tensor, sampling: SamplingParams,
+                     num_drafts: int | None = None) -> list[Proposal]:
+        """``propose`` for many batch-1 states in ONE backbone pass (the batch engine's rows):
+        contexts of different lengths are right-padded and masked. No generator: for greedy
+        drafting, or where one shared stream of randomness is acceptable. last_tokens [R]."""
+        gamma = num_drafts or self.block_drafts
+        if gamma > self.block_drafts:
+            raise DrafterError(f"{self.cfg.name} drafts at most {self.block_drafts} tokens per block, asked {gamma}")
+        ctxs = [self.propose_context(s) for s in states]  # per row: per layer (k, v) [1, h, L_r, d]
+        lens = torch.tensor([c[0][0].shape[2] for c in ctxs], device=last_tokens.device)  # [R]
+        width, bs, r = int(lens.max()), self.cfg.block_size, len(states)
+        context = []
+        for layer in range(len(ctxs[0])):
+            k0 = ctxs[0][layer][0]
+            keys = k0.new_zeros(r, k0.shape[1], width, k0.shape[3])
+            values = keys.clone()
+            for i, c in enumerate(ctxs):
+                keys[i, :, :c[layer][0].shape[2]] = c[layer][0][0]
+                values[i, :, :c[layer][1].shape[2]] = c[layer][1][0]
+            context.append((keys, values))
+        seen = torch.arange(width, device=lens.device)[None, :] < lens[:, None]  # [R, width]
+        mask = torch.cat([seen, seen.new_ones(r, bs)], dim=1)[:, None, None, :].expand(r, 1, bs, width + bs)
+        ids = torch.full((r, bs), int(self.cfg.mask_token_id), dtype=torch.long, device=last_tokens.device)
+        ids[:, 0] = last_tokens
+        starts = torch.tensor([s.length for s in states], device=ids.device)
+        positions = starts[:, None] + torch.arange(bs, device=ids.device)[None, :]  # [R, bs]
+        z = self.backbone(self.embed(ids), positions, context, mask)[:, self.first_slot:self.first_slot + gamma]
+        prop = self.sample_readout(z, last_tokens, sampling, None)
+        conf = prop.confidences
+        return [Proposal(prop.tokens[i:i + 1], prop.logits[i:i + 1], prop.probs[i:i + 1],
+                         conf[i:i + 1] if conf is not None else None, z[i:i + 1]) for i in range(r)]
+
     def propose_context(self, state: DraftState) -> list[KV]:
         """The K/V a block reads: committed rows [B, h_kv, length, d] then any carryover rows
         [B, h_kv, carry_rows, d] (batch 1: the block sees all of them, no mask needed)."""

@@ -50,7 +50,7 @@ from components.engine.engine import (
     new_randomness,
     sync_device,
 )
-from components.engine.rules import RULES, RoundRandomness, Rule, get_rule
+from components.engine.rules import GREEDY, RULES, RoundRandomness, Rule, get_rule
 from components.engine.schedule import (
     AdaptiveDraftLength,
     FixedDraftLength,
@@ -267,24 +267,57 @@ class BatchEngine:
         return _Running(req, rule, rnd, seq, res, clock), RaggedCache.single(out.cache)
 
     def _draft(self) -> float:
-        """Drafts for every speculating row under this round's cap; returns the seconds spent."""
+        """Drafts for every speculating row under this round's cap; returns the seconds spent.
+        Rows that draft greedily in one stage share one ``propose_many`` call when the drafter
+        has it; the others (sampled drafts, DLoop stages) propose one by one."""
         cap = self._cap()
         spent = self._flush([r for r in self.batch.rows if r.pending and cap and r.seq.draft_state is not None])
+        together: list[tuple[_Running, int]] = []
         for run in self.batch.rows:
             run.carried = run.seq.carry_rows
             # as SpeculativeEngine.round: at least one draft, overshoot cut (same randomness use)
             gamma = max(1, min(cap, run.remaining - 1)) if run.seq.draft_state is not None and cap else 0
+            run.proposal, run.drafts = None, None
             if gamma == 0:
-                run.proposal, run.drafts = None, None
+                continue
+            if self._batchable(run):
+                together.append((run, gamma))
                 continue
             t0 = time.perf_counter()
             run.proposal, run.drafts = self._engines[run.request.rule].draft(run.seq, gamma, run.rnd)
             sync_device(run.drafts.device)
             run.result.draft_seconds += time.perf_counter() - t0
             spent += time.perf_counter() - t0
-            conf = survival_from_confidences(run.proposal.confidences)
-            run.survival = conf[0] if conf is not None else None
+        spent += self._draft_together(together)
+        for run in self.batch.rows:
+            conf = survival_from_confidences(run.proposal.confidences) if run.proposal is not None else None
+            run.survival = conf[0] if conf is not None else run.survival
         return spent
+
+    def _batchable(self, run: _Running) -> bool:
+        engine = self._engines[run.request.rule]
+        sampling = engine.rule.draft_sampling(run.rnd)
+        return (hasattr(self.drafter, "propose_many") and engine.loop_stages == 1
+                and not isinstance(sampling.temperature, Tensor) and sampling.temperature <= 0)
+
+    def _draft_together(self, rows: list[tuple[_Running, int]]) -> float:
+        """Greedy drafts of ``rows`` (run, γ) in one drafter pass, each cut to its own γ."""
+        if not rows:
+            return 0.0
+        t0 = time.perf_counter()
+        gamma = max(g for _, g in rows)
+        last = torch.cat([run.seq.last_token for run, _ in rows])  # [R]
+        props = self.drafter.propose_many([run.seq.draft_state for run, _ in rows], last, GREEDY, gamma)
+        for (run, g), prop in zip(rows, props):
+            cut = Proposal(prop.tokens[:, :g], prop.logits[:, :g], prop.probs[:, :g],
+                           prop.confidences[:, :g] if prop.confidences is not None else None, prop.states[:, :g])
+            positions = torch.arange(run.seq.length, run.seq.length + g, device=last.device)[None, :]
+            run.proposal, run.drafts = cut, run.rule.pick_drafts(cut, positions, run.rnd)
+        sync_device(last.device)
+        seconds = time.perf_counter() - t0
+        for run, _ in rows:
+            run.result.draft_seconds += seconds / len(rows)
+        return seconds
 
     def _flush(self, rows: list[_Running]) -> float:
         """Rows about to draft consume what their plain rounds deferred, in one call; seconds."""

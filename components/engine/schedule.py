@@ -39,7 +39,8 @@ def profile_forward_time(target: Any, sizes: tuple[int, ...] = DEFAULT_PROFILE_S
                          reps: int = 5) -> ProfileTable:
     """T(n): median seconds of one target forward over n new tokens (as ``n/16`` rows of up to
     16 tokens) on top of a ``context``-token cache per row, made non-decreasing in n (a wider
-    pass never costs less; timing noise on a busy host would otherwise invert neighbours).
+    pass never costs less; timing noise on a busy host would otherwise invert neighbours) by
+    taking the smallest time measured at n or above.
     Measured on ``target`` as it is."""
     dev, times = target.device, []
     for n in sizes:
@@ -58,7 +59,8 @@ def profile_forward_time(target: Any, sizes: tuple[int, ...] = DEFAULT_PROFILE_S
                 torch.cuda.synchronize(dev)
             samples.append(time.perf_counter() - t0)
         times.append(sorted(samples[1:])[reps // 2])
-    monotone = torch.tensor(times, dtype=torch.float64).cummax(dim=0).values
+    # T(n) = min over m ≥ n of the measured T(m): robust to a slow early (cold) measurement
+    monotone = torch.tensor(times, dtype=torch.float64).flip(0).cummin(dim=0).values.flip(0)
     return ProfileTable(list(sizes), monotone)
 
 

@@ -240,3 +240,26 @@ def test_profiled_forward_time_is_non_decreasing(tiny_target):
     table = profile_forward_time(tiny_target, sizes=(1, 4, 16, 32), context=8, reps=1)
     assert table.xs.tolist() == [1, 4, 16, 32] and bool((table.ys[1:] >= table.ys[:-1]).all())
     assert float(table.ys[0]) > 0
+
+
+@pytest.mark.parametrize("name", ["dspark", "dflash"])
+def test_propose_many_equals_propose_per_row(tiny_target, name):
+    """One padded, masked drafter pass for all rows gives each row's own proposal."""
+    from components.spec.sampling import SamplingParams
+
+    drafter = carry_drafter(tiny_target, name)
+    states, last = [], []
+    for i, p in enumerate(batch_prompts(tiny_target)[:3]):
+        out = tiny_target.forward(torch.tensor([p]), layer_ids=drafter.layer_ids)
+        state = drafter.consume(drafter.init_state(1), torch.tensor([p[:-1]]), out.hidden[:, :-1])
+        if i == 1:  # one row with carryover context
+            state = drafter.with_carry(state, out.hidden[:, -3:], state.length)
+        states.append(state)
+        last.append(p[-1])
+    greedy = SamplingParams(temperature=0.0)
+    many = drafter.propose_many(states, torch.tensor(last), greedy, 3)
+    for state, tok, got in zip(states, last, many):
+        want = drafter.propose(state, torch.tensor([tok]), greedy, num_drafts=3)
+        assert got.tokens.tolist() == want.tokens.tolist()
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.states, want.states, atol=1e-4, rtol=1e-4)
