@@ -22,8 +22,9 @@ Per-request randomness (a generator and a Gumbel seed per request) is consumed i
 order as ``SpeculativeEngine.generate`` would for that request alone, so a request's output
 does not depend on what else is in the batch (greedy: equal to the target's own greedy output).
 
-Limitations: the drafter runs per request (its ``DraftState`` holds one length per batch), a
-Python loop over requests, not tokens; the verify pass and caches are batched. Chains only.
+Each request keeps a batch-1 drafter state. Drafters with ``propose_many``/``consume_many``
+(block drafters) serve all greedy rows in one call each; other rows propose one by one (a loop
+over requests, not tokens). The verify pass and the target cache are batched. Chains only.
 This module knows the engine protocol of drafters and the rules; nothing about tokenization,
 HTTP or asyncio (``async_engine.py`` streams on top of ``step``).
 """
