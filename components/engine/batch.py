@@ -328,9 +328,7 @@ class BatchEngine:
         olds = [r.seq.draft_state for r in rows]
         tokens = [torch.cat([t for t, _ in r.pending], dim=1) for r in rows]  # each [1, k]
         hidden = [torch.cat([h for _, h in r.pending], dim=1) for r in rows]  # each [1, k, n, H]
-        many = getattr(self.drafter, "consume_many", None)
-        news = many(olds, tokens, hidden) if many is not None else \
-            [self.drafter.consume(s, t, h) for s, t, h in zip(olds, tokens, hidden)]
+        news = self._consume_each(olds, tokens, hidden)
         for run, new in zip(rows, news):
             run.seq.draft_state, run.pending = new, []
         return time.perf_counter() - t0
@@ -426,12 +424,17 @@ class BatchEngine:
                   for b in idx]  # each [1, a_b+1]
         kept = [hidden[b:b + 1, :accepted[b] + 1] if hidden is not None else None for b in idx]
         olds = [rows[b].seq.draft_state for b in idx]
-        many = getattr(self.drafter, "consume_many", None)
-        news = many(olds, tokens, kept) if many is not None and hidden is not None else \
-            [self.drafter.consume(s, t, h) for s, t, h in zip(olds, tokens, kept)]
+        news = self._consume_each(olds, tokens, kept)
         for b, new in zip(idx, news):
             states[b] = new
         return states
+
+    def _consume_each(self, states: list[Any], tokens: list[Tensor], hidden: list[Tensor | None]) -> list[Any]:
+        """``consume`` per row, or one ``consume_many`` call when the drafter has it (and states)."""
+        many = getattr(self.drafter, "consume_many", None)
+        if many is not None and all(h is not None for h in hidden):
+            return many(states, tokens, hidden)
+        return [self.drafter.consume(s, t, h) for s, t, h in zip(states, tokens, hidden)]
 
     def _commit_row(self, run: _Running, a: int, nxt: Tensor, state: Any, hidden: Tensor | None) -> list[int]:
         """Commits x_{n-1} + a accepted drafts of ``run`` (``state``: its drafter state after

@@ -85,6 +85,14 @@ class GenerationResult:
     total_seconds: float = 0.0
     finish_reason: str = "length"  # "length" | "stop" (a stop token, kept) | "cancelled"
 
+    def add_round(self, accepted: int, drafted: int, carried: int = 0) -> None:
+        """Counts one draft-verify round (one target forward) and its acceptance."""
+        self.rounds += 1
+        self.target_forwards += 1
+        self.accepted.append(accepted)
+        self.drafted.append(drafted)
+        self.carried.append(carried)
+
     @property
     def tau(self) -> float:
         """Acceptance length τ: mean tokens emitted per round (accepted + 1)."""
@@ -246,11 +254,7 @@ class SpeculativeEngine:
         sync_device(dev)
         res.draft_seconds += t1 - t0
         res.verify_seconds += time.perf_counter() - t1
-        res.rounds += 1
-        res.target_forwards += 1
-        res.accepted.append(int(result.num_accepted[0]))
-        res.drafted.append(drafts.shape[1])
-        res.carried.append(carried)
+        res.add_round(int(result.num_accepted[0]), drafts.shape[1], carried)
         return seq
 
 

@@ -137,11 +137,7 @@ class TreeEngine(SpeculativeEngine):
         sync_device(dev)
         res.draft_seconds += t1 - t0
         res.verify_seconds += time.perf_counter() - t1
-        res.rounds += 1
-        res.target_forwards += 1
-        res.accepted.append(int(result.num_accepted[0]))
-        res.drafted.append(int(tree.tokens.numel()))
-        res.carried.append(0)
+        res.add_round(int(result.num_accepted[0]), int(tree.tokens.numel()))
         return seq
 
 

@@ -11,7 +11,7 @@ import torch
 from components.config import DrafterConfig
 from components.drafters.base import DraftBatch, DrafterError
 from components.drafters.registry import build_drafter
-from components.engine import OracleDrafter, SpeculativeEngine, target_only_generate
+from components.engine import OracleDrafter, SpeculativeEngine
 from components.losses import build_loss
 from components.spec.sampling import SamplingParams
 from components.training.objectives import ObjectiveContext, build_objective
@@ -19,11 +19,6 @@ from components.training.objectives.carryover import FirstDraft
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def references(tiny_target) -> list[list[int]]:
-    return [target_only_generate(tiny_target, p, MAX_NEW).tokens for p in prompts(tiny_target)]
 
 
 def carry_drafter(target, name: str, carryover: bool = True, **cfg):

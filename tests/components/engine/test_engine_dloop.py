@@ -10,7 +10,7 @@ import torch
 from components.config import DrafterConfig
 from components.drafters.base import Proposal
 from components.drafters.registry import build_drafter
-from components.engine import SpeculativeEngine, target_only_generate
+from components.engine import SpeculativeEngine
 from components.spec.sampling import SamplingParams
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts
 from tests.components.engine.test_engine_sampling import (
@@ -19,11 +19,6 @@ from tests.components.engine.test_engine_sampling import (
     expected_and_q,
     prompt_of,
 )
-
-
-@pytest.fixture(scope="module")
-def references(tiny_target) -> list[list[int]]:
-    return [target_only_generate(tiny_target, p, MAX_NEW).tokens for p in prompts(tiny_target)]
 
 
 @pytest.mark.parametrize("name", ["dspark", "dflash"])

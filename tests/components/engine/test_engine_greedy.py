@@ -26,11 +26,6 @@ def prompts(target) -> list[list[int]]:
     return [target.tokenizer(t)["input_ids"] for t in texts]
 
 
-@pytest.fixture(scope="module")
-def references(tiny_target) -> list[list[int]]:
-    return [target_only_generate(tiny_target, p, MAX_NEW).tokens for p in prompts(tiny_target)]
-
-
 def random_drafter(target, name: str):
     torch.manual_seed(0)
     return build_drafter(DrafterConfig(name=name, num_layers=1), target).eval()

@@ -18,11 +18,6 @@ from tests.components.engine.test_engine_sampling import (
 )
 
 
-@pytest.fixture(scope="module")
-def references(tiny_target) -> list[list[int]]:
-    return [target_only_generate(tiny_target, p, MAX_NEW).tokens for p in prompts(tiny_target)]
-
-
 @pytest.mark.parametrize("name", ["dspark", "dflash", "eagle3"])
 @pytest.mark.parametrize("budget", [1, 24])
 def test_tree_greedy_lossless(tiny_target, references, name, budget):
