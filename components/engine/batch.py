@@ -157,7 +157,6 @@ class BatchEngine:
         self.waiting: deque[Request] = deque()
         self.batch = _Batch()
         self._cancelled: set[str] = set()
-        self.rounds = 0
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ requests
@@ -196,7 +195,6 @@ class BatchEngine:
         accepted, drafted = [r.result.accepted[-1] for r in drafting], [r.drafts.shape[1] for r in drafting]
         self.draft_length.observe(accepted, drafted, draft_seconds, forward_seconds, time.perf_counter() - clock,
                                   logits.shape[0] * logits.shape[1])
-        self.rounds += 1
         self._record(outputs, rows, accepted, drafted, draft_seconds, forward_seconds, start)
         return outputs
 
