@@ -194,7 +194,7 @@ class BatchEngine:
         outputs += self._accept(logits, hidden, forward_seconds)
         accepted, drafted = [r.result.accepted[-1] for r in drafting], [r.drafts.shape[1] for r in drafting]
         self.draft_length.observe(accepted, drafted, draft_seconds, forward_seconds, time.perf_counter() - clock,
-                                  logits.shape[0] * logits.shape[1])
+                                  logits.shape[0] * logits.shape[1], rows=rows)
         self._record(outputs, rows, accepted, drafted, draft_seconds, forward_seconds, start)
         return outputs
 

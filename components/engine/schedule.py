@@ -17,6 +17,17 @@ requests). Draft time t_draft, the table's scale s (measured forward / T) and th
 overhead o (cache bookkeeping, the drafter consuming the verified states, Python) are running
 means of what the engine measured; o matters because plain decoding pays it once per token.
 
+The model can be wrong where it matters (an over-confident head, a width whose real cost the
+profile misses), so with ``calibrate`` (default) the policy checks itself in two ways:
+
+* survival calibration: per draft position k, the survival it predicted (summed over rows that
+  drafted k) against the rows that really got that far; predictions are scaled by the ratio;
+* measured rates: per batch-size bucket, one correction for plain rounds and one for drafting
+  rounds, the running ratio of *measured* tokens per second to the predicted rate. Choices are
+  made on predicted × correction. The side not chosen is tried once early and then every
+  ``recheck`` rounds of the bucket, so a model that misjudges plain rounds (or drafting) learns
+  its real rate; a wrong choice then costs one round in ``recheck``.
+
 Knows timings and acceptance numbers only; nothing about models, rules or caches.
 """
 
@@ -71,13 +82,14 @@ class FixedDraftLength:
         return max_drafts
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
-                round_seconds: float, verify_tokens: int) -> None:
+                round_seconds: float, verify_tokens: int, rows: int = 0) -> None:
         pass
 
 
 @dataclass
 class AdaptiveDraftLength:
-    """Per-round cap G on the drafts, from survival estimates and a forward-time table."""
+    """Per-round cap G on the drafts, from survival estimates and a forward-time table, checked
+    against the clock (module docstring)."""
 
     forward_time: ProfileTable  # seconds of a target pass over n tokens
     draft_seconds: float = 0.0  # running mean per drafting round (learned from observe)
@@ -87,29 +99,73 @@ class AdaptiveDraftLength:
     accept_counts: list[float] = field(default_factory=list)  # per position: accepted
     reach_counts: list[float] = field(default_factory=list)  # per position: drafted and reached
     last_choice: int = -1
+    rounds_seen: int = 0
+    calibrate: bool = True  # survival calibration and measured-rate corrections (module docstring)
+    calibration_ema: float = 0.3
+    recheck: int = 32  # rounds per batch-size bucket between re-tries of the side not chosen
+    decay: float = 0.97  # per round, on the survival calibration's running sums
+    corrections: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, G > 0) -> ratio
+    tried: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, G > 0) -> round last tried
+    bucket_rounds: dict[int, int] = field(default_factory=dict)  # rounds played per bucket
+    predicted_hits: list[float] = field(default_factory=list)  # per position: Σ predicted survival
+    observed_hits: list[float] = field(default_factory=list)  # per position: rows that got that far
+    _last: tuple[tuple[int, bool], float, Tensor] | None = None  # key, predicted rate, survival used
 
     def empirical_survival(self, gamma: int) -> Tensor:  # [γ] from the acceptance seen so far
         alphas = [(self.accept_counts[k] + 1.0) / (self.reach_counts[k] + 2.0) if k < len(self.reach_counts)
                   else 0.5 for k in range(gamma)]
         return torch.tensor(alphas, dtype=torch.float64).cumprod(dim=0)
 
+    def calibrated(self, survival: Tensor) -> Tensor:
+        """survival [B, G] → the same scaled per position by observed / predicted hits, monotone."""
+        a = survival.double().clamp(0, 1)
+        if self.calibrate and self.predicted_hits:
+            k = min(a.shape[1], len(self.predicted_hits))
+            ratio = [(self.observed_hits[j] + 0.5) / (self.predicted_hits[j] + 0.5) for j in range(k)]
+            a = a.clone()
+            a[:, :k] = (a[:, :k] * torch.tensor(ratio, dtype=torch.float64)).clamp(0, 1)
+        return a.cummin(dim=-1).values
+
     def cap(self, survival: Tensor, max_drafts: int) -> int:
         """survival [B, ≥max_drafts] → the cap G in 0..max_drafts with the best tokens/second."""
-        a = survival[:, :max_drafts].double().clamp(0, 1).cummin(dim=-1).values
+        raw = survival[:, :max_drafts].double().clamp(0, 1).cummin(dim=-1).values
+        a = self.calibrated(raw)
         bsz = a.shape[0]
         gained = torch.cat([torch.zeros(1, dtype=torch.float64), a.sum(dim=0).cumsum(dim=0)])  # [G+1]
         caps = torch.arange(max_drafts + 1, dtype=torch.float64)
         seconds = self.scale * self.forward_time(bsz * (caps + 1)) + self.overhead \
             + (caps > 0).double() * self.draft_seconds
-        self.last_choice = int(((bsz + gained) / seconds).argmax())
-        return self.last_choice
+        model = (bsz + gained) / seconds  # [G+1] predicted tokens per second
+        bucket = _bucket(bsz)
+        corr = torch.tensor([self.corrections.get((bucket, g > 0), 1.0) if self.calibrate else 1.0
+                             for g in range(max_drafts + 1)], dtype=torch.float64)
+        choice = int((model * corr).argmax())
+        if self.calibrate and self._recheck_due(bucket, not choice > 0):
+            choice = 0 if choice > 0 else 1 + int((model * corr)[1:].argmax())
+        self.last_choice = choice
+        self._last = ((bucket, choice > 0), float(model[choice]), raw)
+        return choice
+
+    def _recheck_due(self, bucket: int, side: bool) -> bool:
+        """Whether the side not chosen is due a try: never tried (after one measured round of
+        this bucket), or not tried for ``recheck`` rounds of it."""
+        now = self.bucket_rounds.get(bucket, 0)
+        last = self.tried.get((bucket, side))
+        return now >= 1 if last is None else now - last >= self.recheck
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
-                round_seconds: float, verify_tokens: int) -> None:
-        """One round's outcome: accepted/drafted per drafting row and its measured seconds."""
+                round_seconds: float, verify_tokens: int, rows: int = 0) -> None:
+        """One round's outcome: accepted/drafted per drafting row, its measured seconds, and the
+        rows in the round (each emits one token plus its accepted drafts)."""
+        if self.calibrate and self._last is not None:
+            self._correct(rows + sum(accepted), round_seconds)
+            self._count_hits(accepted, drafted)
+        self._last = None
         table = float(self.forward_time(float(verify_tokens)))
-        self.scale = self._mean(self.scale, forward_seconds / max(table, 1e-9))
-        self.overhead = self._mean(self.overhead, max(0.0, round_seconds - forward_seconds - draft_seconds))
+        first = self.rounds_seen == 0  # the first measurement replaces the priors outright
+        self.rounds_seen += 1
+        self.scale = self._mean(self.scale, forward_seconds / max(table, 1e-9), first)
+        self.overhead = self._mean(self.overhead, max(0.0, round_seconds - forward_seconds - draft_seconds), first)
         if not drafted:
             return
         self.draft_seconds = draft_seconds if self.draft_seconds == 0 else self._mean(self.draft_seconds,
@@ -122,9 +178,44 @@ class AdaptiveDraftLength:
                 self.reach_counts[k] += 1
                 self.accept_counts[k] += float(k < a)
 
+    def _correct(self, emitted: int, round_seconds: float) -> None:
+        """Moves the chosen side's (plain or speculating) correction toward measured / predicted
+        tokens per second."""
+        key, predicted, _ = self._last
+        self.bucket_rounds[key[0]] = self.bucket_rounds.get(key[0], 0) + 1
+        self.tried[key] = self.bucket_rounds[key[0]]
+        if emitted <= 0 or round_seconds <= 0:
+            return
+        ratio = (emitted / round_seconds) / max(predicted, 1e-12)
+        old = self.corrections.get(key)
+        self.corrections[key] = ratio if old is None else (1 - self.calibration_ema) * old \
+            + self.calibration_ema * ratio
 
-    def _mean(self, old: float, new: float) -> float:
-        return (1 - self.ema) * old + self.ema * new
+    def _count_hits(self, accepted: list[int], drafted: list[int]) -> None:
+        """Survival calibration: per position k, the predicted P(first k accepted) summed over the
+        rows that drafted k, against how many of them did (decayed running sums)."""
+        _, _, raw = self._last
+        if not drafted or len(drafted) != raw.shape[0]:
+            return  # rows changed between cap and observe: skip rather than misalign
+        gamma = max(drafted)
+        while len(self.predicted_hits) < gamma:
+            self.predicted_hits.append(0.0)
+            self.observed_hits.append(0.0)
+        for j in range(len(self.predicted_hits)):
+            self.predicted_hits[j] *= self.decay
+            self.observed_hits[j] *= self.decay
+        for b, (a, d) in enumerate(zip(accepted, drafted)):
+            for j in range(min(d, raw.shape[1])):
+                self.predicted_hits[j] += float(raw[b, j])
+                self.observed_hits[j] += float(a > j)
+
+    def _mean(self, old: float, new: float, replace: bool = False) -> float:
+        return new if replace else (1 - self.ema) * old + self.ema * new
+
+
+def _bucket(batch_size: int) -> int:
+    """Batch sizes share corrections by power of two: 1, 2, 3-4, 5-8, ..."""
+    return 1 << max(0, int(batch_size) - 1).bit_length()
 
 
 def survival_from_confidences(confidences: Tensor | None) -> Tensor | None:

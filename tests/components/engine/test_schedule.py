@@ -1,0 +1,73 @@
+"""The adaptive draft-length policy against a simulated clock: its model, and the calibration
+that keeps speculation from running slower than plain decoding when the model is wrong."""
+
+from __future__ import annotations
+
+import torch
+
+from components.engine.schedule import AdaptiveDraftLength, FixedDraftLength
+from components.spec.cost import ProfileTable
+
+GAMMA = 7
+
+
+def run_rounds(policy, batch: int, survival: float, true_seconds, true_accept: float, rounds: int = 60):
+    """Plays ``rounds`` rounds: the policy sees confidence survival ``survival``^k, the "real"
+    round costs ``true_seconds(batch, cap)`` and each draft is accepted with ``true_accept``
+    (expected counts, no noise). Returns the caps chosen."""
+    conf = torch.full((batch, GAMMA), survival, dtype=torch.float64).cumprod(dim=-1)
+    caps = []
+    for _ in range(rounds):
+        cap = policy.cap(conf, GAMMA)
+        caps.append(cap)
+        accepted = round(batch * sum(true_accept ** k for k in range(1, cap + 1)))
+        per_row = [accepted // batch + (i < accepted % batch) for i in range(batch)] if cap else []
+        seconds = true_seconds(batch, cap)
+        policy.observe(per_row, [cap] * len(per_row), 0.2 * seconds if cap else 0.0, 0.8 * seconds,
+                       seconds, batch * (cap + 1), rows=batch)
+    return caps
+
+
+def flat_table() -> ProfileTable:
+    return ProfileTable([1, 4096], [1.0, 1.0])  # the model believes a wider pass is free
+
+
+def test_calibration_falls_back_to_plain_when_speculation_measures_slower():
+    """An over-confident head (survival 0.95 believed, 0.2 real) and a pass that really costs
+    ∝ width: the uncalibrated model keeps drafting; the calibrated policy ends on plain rounds
+    and its measured tokens per second reach plain decoding's."""
+    def true_seconds(batch, cap):  # compute-bound: every extra token costs
+        return 0.01 * batch * (cap + 1)
+
+    blind = run_rounds(AdaptiveDraftLength(flat_table(), calibrate=False), 4, 0.95, true_seconds, 0.2)
+    assert min(blind) > 0
+    caps = run_rounds(AdaptiveDraftLength(flat_table()), 4, 0.95, true_seconds, 0.2)
+    late = caps[20:]
+    assert late.count(0) >= 0.8 * len(late)  # plain, with an occasional re-check of a cap
+
+
+def test_calibration_keeps_speculating_when_it_measures_faster():
+    """A memory-bound pass (cost flat in width) and a good drafter: the calibrated policy keeps
+    a high cap, apart from its early and periodic plain re-checks."""
+    def true_seconds(batch, cap):
+        return 0.01 + (0.002 if cap else 0.0)
+
+    policy = AdaptiveDraftLength(flat_table())
+    caps = run_rounds(policy, 4, 0.9, true_seconds, 0.9)
+    assert caps.count(0) <= 1 + len(caps) // policy.recheck
+    assert min(c for c in caps if c) >= 4
+
+
+def test_calibration_is_kept_per_batch_size():
+    """Corrections learned at batch 16 do not carry to batch 1 (separate buckets)."""
+    policy = AdaptiveDraftLength(flat_table())
+
+    def wide_is_slow(batch, cap):
+        return 0.001 * batch * (cap + 1) if batch > 8 else 0.01 + (0.002 if cap else 0.0)
+
+    assert run_rounds(policy, 16, 0.95, wide_is_slow, 0.2)[-1] == 0
+    assert run_rounds(policy, 1, 0.9, wide_is_slow, 0.9, rounds=5)[-1] > 0
+
+
+def test_fixed_draft_length_always_drafts_the_cap():
+    assert FixedDraftLength().cap(torch.ones(2, GAMMA, dtype=torch.float64), GAMMA) == GAMMA
