@@ -1,12 +1,13 @@
 """Speedup of the speculative engine over target-only decoding, batch 1, greedy, same run.
 
-    python bench/engine.py [--drafter DIR --tree-budget 16 --new-tokens 64 --prompts 4 --reps 3]
+    python bench/engine.py [--drafter DIR --tree-budget 16 --new-tokens 64 --prompts 4 --reps 3 --int8-head]
 
 On the embedded target (built and cached on first use) it times, per prompt, plain greedy
 decoding (``target_only_generate``) and the engine with: the drafter (a trained checkpoint from
 ``--drafter``, else a random-init DSpark, expect < 1x), the same drafter with token trees of
 ``--tree-budget`` nodes (``TreeEngine``: DDTree, and DominoTree from a causal head if the drafter
-has one; 0 skips), prompt lookup (model-free), and an oracle that
+has one; 0 skips), with ``--int8-head`` the drafter reading out through an int8 LM head,
+prompt lookup (model-free), and an oracle that
 proposes the target's own greedy continuation for free (the upper bound of a perfect drafter at
 this γ). Every engine output is checked equal to the baseline. Printed: tokens/s, τ, draft/verify
 time shares, and the speedup as a ratio of medians measured in this run. Nothing is asserted
@@ -16,6 +17,7 @@ about time.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 from pathlib import Path
@@ -29,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import components.drafters  # noqa: F401  (registers every family)
 from components.config import DrafterConfig, TargetConfig
 from components.drafters.checkpoint import load_drafter
+from components.drafters.quantize import int8_lm_head
 from components.drafters.registry import build_drafter
 from components.engine import (
     GenerationResult,
@@ -52,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gamma", type=int, default=0, help="drafts per round (0: the drafter's default)")
     ap.add_argument("--drafter", default="", help="trained drafter checkpoint (default: random-init DSpark)")
     ap.add_argument("--tree-budget", type=int, default=16, help="token-tree nodes per round (0: no tree run)")
+    ap.add_argument("--int8-head", action="store_true",
+                    help="also run the drafter with an int8 readout head (components/drafters/quantize.py)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     return ap.parse_args()
@@ -99,8 +104,11 @@ def main() -> None:
     else:
         dspark, label = build_drafter(DrafterConfig(name="dspark"), target).eval(), "dspark (random init)"
     gamma = args.gamma or None
+    quantized = int8_lm_head(copy.deepcopy(dspark)) if args.int8_head else None
     engines = {
         label: lambda p, ref: SpeculativeEngine(target, dspark, "greedy", gamma),
+        **({f"{label.split()[0]}, int8 head": lambda p, ref: SpeculativeEngine(target, quantized, "greedy", gamma)}
+           if quantized is not None else {}),
         **({f"{label.split()[0]} tree {args.tree_budget}": lambda p, ref: TreeEngine(
             target, dspark, "greedy", gamma, budget=args.tree_budget)} if args.tree_budget else {}),
         **({f"{label.split()[0]} causal tree {args.tree_budget}": lambda p, ref: TreeEngine(

@@ -214,6 +214,7 @@ class EvalConfig:
     loop_stages: int = 3  # drafter_dloop: at most this many drafting stages per round (DLoop)
     loop_gate: float = -1.0  # drafter_dloop: another stage while Σ log q(stage drafts) ≥ this
     carryover: bool = False  # drafter methods: rejected target states as next-round context (carryover-trained drafters)
+    drafter_int8_head: bool = False  # drafter methods: read drafts out through an int8 LM head (CPU; lossless)
     lookup_num_drafts: int = 7  # γ of prompt lookup (ours and transformers')
     lookup_max_ngram: int = 3  # longest n-gram prompt lookup matches
     # hf_assisted's assistant: "auto" = for the embedded target, a smaller LM pretrained on its

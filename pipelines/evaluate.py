@@ -36,6 +36,7 @@ import torch
 
 from components.config import EMBEDDED_TARGET, ConfigError, SpeclineConfig
 from components.drafters import DrafterError, load_drafter
+from components.drafters.quantize import int8_lm_head
 from components.evaluation import EvalContext, EvalReport, check_methods, eval_prompts, evaluate
 from components.evaluation import report as rep
 from components.evaluation.assistant import ensure_embedded_assistant, load_assistant
@@ -46,7 +47,7 @@ from pipelines.cli import main
 
 
 def _drafter(cfg: SpeclineConfig, upstream: dict[str, Any], target: Any, methods: list[str]) -> Any:
-    if "drafter" not in methods and "vllm_drafter" not in methods:
+    if not any(m.startswith(("drafter", "vllm_drafter")) for m in methods):
         return None
     path = cfg.eval.drafter_path or upstream.get("drafter_path")
     if not path:
@@ -55,9 +56,15 @@ def _drafter(cfg: SpeclineConfig, upstream: dict[str, Any], target: Any, methods
     if not (where / "config.json").is_file():
         raise ConfigError(f"eval.drafter_path: '{path}' is not a drafter checkpoint directory (no config.json)")
     try:
-        return load_drafter(where, target).eval()
+        drafter = load_drafter(where, target).eval()
     except DrafterError as err:
         raise ConfigError(f"eval.drafter_path: {err}") from None
+    if cfg.eval.drafter_int8_head:
+        try:
+            int8_lm_head(drafter)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ConfigError(f"eval.drafter_int8_head: {err}") from None
+    return drafter
 
 
 def _assistant(cfg: SpeclineConfig, target_path: str, target: Any, methods: list[str]) -> tuple[Any, str | None]:

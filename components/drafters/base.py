@@ -248,6 +248,10 @@ class Drafter(nn.Module, ABC):
     def shared(self) -> SharedParts:
         return self._shared[0]
 
+    @shared.setter
+    def shared(self, parts: SharedParts) -> None:  # e.g. an int8 readout head (drafters.quantize)
+        self._shared[0] = parts
+
     @property
     def layer_ids(self) -> list[int]:
         return list(self.cfg.layer_ids or [])
