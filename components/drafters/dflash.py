@@ -236,12 +236,17 @@ class DFlashDrafter(Drafter):
         proposal.states = z
         return proposal
 
-    def propose_many(self, states: list[DraftState], last_tokens: Tensor, sampling: SamplingParams,
-                     num_drafts: int | None = None) -> list[Proposal]:
+    def propose_many(self, states: list[DraftState], last_tokens: Tensor,
+                     sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None = None,
+                     generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
         """``propose`` for many batch-1 states in ONE backbone pass (the batch engine's rows):
-        contexts of different lengths are right-padded and masked. No generator: for greedy
-        drafting, or where one shared stream of randomness is acceptable. last_tokens [R]."""
-        gamma = num_drafts or self.block_drafts
+        contexts of different lengths are right-padded and masked. last_tokens [R]. ``sampling``
+        is shared or one per row; with ``generators`` (one per row) each row's readout draws
+        from its own generator, as ``propose`` for that row alone would (``num_drafts`` per row
+        then keeps each row's draws to its own γ). All-greedy rows (no randomness used) are read
+        out together, at the longest γ."""
+        per_row = num_drafts if isinstance(num_drafts, list) else [num_drafts or self.block_drafts] * len(states)
+        gamma = max(per_row)
         if gamma > self.block_drafts:
             raise DrafterError(f"{self.cfg.name} drafts at most {self.block_drafts} tokens per block, asked {gamma}")
         ctxs = [self.propose_context(s) for s in states]  # per row: per layer (k, v) [1, h, L_r, d]
@@ -263,10 +268,18 @@ class DFlashDrafter(Drafter):
         starts = torch.tensor([s.length for s in states], device=ids.device)
         positions = starts[:, None] + torch.arange(bs, device=ids.device)[None, :]  # [R, bs]
         z = self.backbone(self.embed(ids), positions, context, mask)[:, self.first_slot:self.first_slot + gamma]
-        prop = self.sample_readout(z, last_tokens, sampling, None)
-        conf = prop.confidences
-        return [Proposal(prop.tokens[i:i + 1], prop.logits[i:i + 1], prop.probs[i:i + 1],
-                         conf[i:i + 1] if conf is not None else None, z[i:i + 1]) for i in range(r)]
+        samplings = sampling if isinstance(sampling, list) else [sampling] * r
+        if all(_greedy(s) for s in samplings):
+            prop = self.sample_readout(z, last_tokens, samplings[0], None)
+            conf = prop.confidences
+            return [Proposal(prop.tokens[i:i + 1], prop.logits[i:i + 1], prop.probs[i:i + 1],
+                             conf[i:i + 1] if conf is not None else None, z[i:i + 1]) for i in range(r)]
+        gens = generators if generators is not None else [None] * r
+        props = [self.sample_readout(z[i:i + 1, :per_row[i]], last_tokens[i:i + 1], samplings[i], gens[i])
+                 for i in range(r)]
+        for i, prop in enumerate(props):
+            prop.states = z[i:i + 1, :per_row[i]]
+        return props
 
     def propose_context(self, state: DraftState) -> list[KV]:
         """The K/V a block reads: committed rows [B, h_kv, length, d] then any carryover rows
@@ -317,3 +330,8 @@ class DFlashDrafter(Drafter):
         logits = self.lm_head(z)
         tokens, probs = sample_tokens(logits, sampling, generator)
         return Proposal(tokens, logits, probs, None)
+
+
+def _greedy(sampling: SamplingParams) -> bool:
+    """A scalar temperature of 0: the readout takes the argmax and uses no randomness."""
+    return not isinstance(sampling.temperature, Tensor) and sampling.temperature <= 0

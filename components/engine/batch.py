@@ -23,8 +23,9 @@ order as ``SpeculativeEngine.generate`` would for that request alone, so a reque
 does not depend on what else is in the batch (greedy: equal to the target's own greedy output).
 
 Each request keeps a batch-1 drafter state. Drafters with ``propose_many``/``consume_many``
-(block drafters) serve all greedy rows in one call each; other rows propose one by one (a loop
-over requests, not tokens). The verify pass and the target cache are batched. Chains only.
+(block drafters) serve all single-stage rows in one drafter pass each, greedy or sampled
+(``batch_draft.py``); DLoop rows and other drafters propose one by one (a loop over requests,
+not tokens). The verify pass and the target cache are batched. Chains only.
 This module knows the engine protocol of drafters and the rules; nothing about tokenization,
 HTTP or asyncio (``async_engine.py`` streams on top of ``step``).
 """
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal
 from components.engine.batch_cache import RaggedCache
+from components.engine.batch_draft import DraftStep
 from components.engine.engine import (
     EngineDrafter,
     GenerationResult,
@@ -51,11 +53,10 @@ from components.engine.engine import (
     new_randomness,
     sync_device,
 )
-from components.engine.rules import GREEDY, RULES, RoundRandomness, Rule, get_rule
+from components.engine.rules import RULES, RoundRandomness, Rule, get_rule
 from components.engine.schedule import (
     AdaptiveDraftLength,
     FixedDraftLength,
-    survival_from_confidences,
 )
 from components.engine.stats import EngineStats
 from components.spec.sampling import SamplingParams
@@ -127,7 +128,7 @@ class _Batch:
     cache: RaggedCache | None = None
 
 
-class BatchEngine:
+class BatchEngine(DraftStep):
     """Continuous-batching speculative decoding of ``drafter`` (or plain decoding) on ``target``."""
 
     defer_plain_updates = True  # plain rounds of speculating rows defer the drafter's update (_consume)
@@ -265,85 +266,6 @@ class BatchEngine:
         seq = Sequence(None, state, first, p + 1, [int(first)])
         return _Running(req, rule, rnd, seq, res, clock), RaggedCache.single(out.cache)
 
-    def _draft(self) -> float:
-        """Drafts for every speculating row under this round's cap; returns the seconds spent.
-        Rows that draft greedily in one stage share one ``propose_many`` call when the drafter
-        has it; the others (sampled drafts, DLoop stages) propose one by one."""
-        cap = self._cap()
-        spent = self._flush([r for r in self.batch.rows if r.pending and cap and r.seq.draft_state is not None])
-        together: list[tuple[_Running, int]] = []
-        for run in self.batch.rows:
-            run.carried = run.seq.carry_rows
-            # as SpeculativeEngine.round: at least one draft, overshoot cut (same randomness use)
-            gamma = max(1, min(cap, run.remaining - 1)) if run.seq.draft_state is not None and cap else 0
-            run.proposal, run.drafts = None, None
-            if gamma == 0:
-                continue
-            if self._batchable(run):
-                together.append((run, gamma))
-                continue
-            t0 = time.perf_counter()
-            run.proposal, run.drafts = self._engines[run.request.rule].draft(run.seq, gamma, run.rnd)
-            sync_device(run.drafts.device)
-            run.result.draft_seconds += time.perf_counter() - t0
-            spent += time.perf_counter() - t0
-        spent += self._draft_together(together)
-        for run in self.batch.rows:
-            conf = survival_from_confidences(run.proposal.confidences) if run.proposal is not None else None
-            run.survival = conf[0] if conf is not None else run.survival
-        return spent
-
-    def _batchable(self, run: _Running) -> bool:
-        engine = self._engines[run.request.rule]
-        sampling = engine.rule.draft_sampling(run.rnd)
-        return (hasattr(self.drafter, "propose_many") and engine.loop_stages == 1
-                and not isinstance(sampling.temperature, Tensor) and sampling.temperature <= 0)
-
-    def _draft_together(self, rows: list[tuple[_Running, int]]) -> float:
-        """Greedy drafts of ``rows`` (run, γ) in one drafter pass, each cut to its own γ."""
-        if not rows:
-            return 0.0
-        t0 = time.perf_counter()
-        gamma = max(g for _, g in rows)
-        last = torch.cat([run.seq.last_token for run, _ in rows])  # [R]
-        props = self.drafter.propose_many([run.seq.draft_state for run, _ in rows], last, GREEDY, gamma)
-        for (run, g), prop in zip(rows, props):
-            cut = Proposal(prop.tokens[:, :g], prop.logits[:, :g], prop.probs[:, :g],
-                           prop.confidences[:, :g] if prop.confidences is not None else None, prop.states[:, :g])
-            positions = torch.arange(run.seq.length, run.seq.length + g, device=last.device)[None, :]
-            run.proposal, run.drafts = cut, run.rule.pick_drafts(cut, positions, run.rnd)
-        sync_device(last.device)
-        seconds = time.perf_counter() - t0
-        for run, _ in rows:
-            run.result.draft_seconds += seconds / len(rows)
-        return seconds
-
-    def _flush(self, rows: list[_Running]) -> float:
-        """Rows about to draft consume what their plain rounds deferred, in one call; seconds."""
-        if not rows:
-            return 0.0
-        t0 = time.perf_counter()
-        olds = [r.seq.draft_state for r in rows]
-        tokens = [torch.cat([t for t, _ in r.pending], dim=1) for r in rows]  # each [1, k]
-        hidden = [torch.cat([h for _, h in r.pending], dim=1) for r in rows]  # each [1, k, n, H]
-        news = self._consume_each(olds, tokens, hidden)
-        for run, new in zip(rows, news):
-            run.seq.draft_state, run.pending = new, []
-        return time.perf_counter() - t0
-
-    def _cap(self) -> int:
-        """This round's draft cap from the policy, over the rows that speculate."""
-        rows = [r for r in self.batch.rows if r.seq.draft_state is not None]
-        if not rows or self.max_drafts == 0:
-            return 0
-        if isinstance(self.draft_length, FixedDraftLength):
-            return self.max_drafts
-        fallback = self.draft_length.empirical_survival(self.max_drafts)
-        survival = torch.stack([_fill(r.survival, fallback) for r in rows])  # [B', max_drafts]
-        cap = self.draft_length.cap(survival, self.max_drafts)
-        self.caps.append(cap)
-        return cap
-
     def _verify_forward(self) -> tuple[Tensor, Tensor | None, float]:
         """One target forward over every row's [x_{n-1}, drafts, padding] → logits [B, G+1, V],
         hidden [B, G+1, n, H] (or None), seconds."""
@@ -471,15 +393,6 @@ class BatchEngine:
         res.finish_reason = reason
         res.total_seconds = time.perf_counter() - run.started
         return res
-
-
-def _fill(survival: Tensor | None, fallback: Tensor) -> Tensor:  # → [len(fallback)] float64
-    if survival is None:
-        return fallback
-    s, n = survival.double().cpu()[: fallback.shape[0]], min(survival.shape[0], fallback.shape[0])
-    if n == 0:
-        return fallback
-    return torch.cat([s, fallback[n:] / fallback[n - 1].clamp_min(1e-9) * s[-1]])  # extend by empirical α
 
 
 def _num_drafts(run: _Running) -> int:

@@ -263,3 +263,11 @@ def test_propose_many_equals_propose_per_row(tiny_target, name):
         assert got.tokens.tolist() == want.tokens.tolist()
         torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got.states, want.states, atol=1e-4, rtol=1e-4)
+    # sampled rows, each with its own temperature and generator: the draws propose() makes
+    samplings = [SamplingParams(temperature=t) for t in (1.0, 0.0, 0.7)]
+    many = drafter.propose_many(states, torch.tensor(last), samplings, 3,
+                                generators=[torch.Generator().manual_seed(s) for s in (1, 2, 3)])
+    for state, tok, sampling, seed, got in zip(states, last, samplings, (1, 2, 3), many):
+        want = drafter.propose(state, torch.tensor([tok]), sampling, torch.Generator().manual_seed(seed), 3)
+        assert got.tokens.tolist() == want.tokens.tolist()
+        torch.testing.assert_close(got.probs, want.probs, atol=1e-4, rtol=1e-4)

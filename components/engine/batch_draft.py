@@ -1,0 +1,125 @@
+"""The batch engine's drafting step: this round's draft cap, deferred drafter updates, and the
+drafts of every speculating row.
+
+Rows whose drafter has ``propose_many`` (block drafters) and that draft in one stage share one
+padded, masked drafter pass; each row's readout then draws from that row's own sampling
+parameters and generator, exactly as ``SpeculativeEngine.draft`` would for the row alone (so
+sampled output still does not depend on the rest of the batch). Rows drafting in DLoop stages,
+and drafters without ``propose_many``, propose one by one.
+
+A mixin of ``batch.BatchEngine`` (it reads the engine's batch, policy and per-rule engines);
+knows nothing about verification or the target cache.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from components.drafters.base import Proposal
+from components.engine.engine import sync_device
+from components.engine.schedule import FixedDraftLength, survival_from_confidences
+
+if TYPE_CHECKING:
+    from components.engine.batch import _Running
+
+
+class DraftStep:
+    """``_draft`` and its helpers, for ``BatchEngine``."""
+
+    def _draft(self) -> float:
+        """Drafts for every speculating row under this round's cap; returns the seconds spent."""
+        cap = self._cap()
+        spent = self._flush([r for r in self.batch.rows if r.pending and cap and r.seq.draft_state is not None])
+        together: list[tuple[_Running, int]] = []
+        for run in self.batch.rows:
+            run.carried = run.seq.carry_rows
+            # as SpeculativeEngine.round: at least one draft, overshoot cut (same randomness use)
+            gamma = max(1, min(cap, run.remaining - 1)) if run.seq.draft_state is not None and cap else 0
+            run.proposal, run.drafts = None, None
+            if gamma == 0:
+                continue
+            if self._batchable(run):
+                together.append((run, gamma))
+                continue
+            t0 = time.perf_counter()
+            run.proposal, run.drafts = self._engines[run.request.rule].draft(run.seq, gamma, run.rnd)
+            sync_device(run.drafts.device)
+            run.result.draft_seconds += time.perf_counter() - t0
+            spent += time.perf_counter() - t0
+        spent += self._draft_together(together)
+        for run in self.batch.rows:
+            conf = survival_from_confidences(run.proposal.confidences) if run.proposal is not None else None
+            run.survival = conf[0] if conf is not None else run.survival
+        return spent
+
+    def _batchable(self, run: _Running) -> bool:
+        return hasattr(self.drafter, "propose_many") and self._engines[run.request.rule].loop_stages == 1
+
+    def _draft_together(self, rows: list[tuple[_Running, int]]) -> float:
+        """Drafts of ``rows`` (run, γ) in one drafter pass, each cut to its own γ and picked by
+        its own rule with its own randomness."""
+        if not rows:
+            return 0.0
+        t0 = time.perf_counter()
+        last = torch.cat([run.seq.last_token for run, _ in rows])  # [R]
+        samplings = [self._engines[run.request.rule].rule.draft_sampling(run.rnd) for run, _ in rows]
+        props = self.drafter.propose_many([run.seq.draft_state for run, _ in rows], last, samplings,
+                                          [g for _, g in rows], generators=[run.rnd.generator for run, _ in rows])
+        for (run, g), prop in zip(rows, props):
+            cut = Proposal(prop.tokens[:, :g], prop.logits[:, :g], prop.probs[:, :g],
+                           prop.confidences[:, :g] if prop.confidences is not None else None, prop.states[:, :g])
+            positions = torch.arange(run.seq.length, run.seq.length + g, device=last.device)[None, :]
+            run.proposal, run.drafts = cut, run.rule.pick_drafts(cut, positions, run.rnd)
+        sync_device(last.device)
+        seconds = time.perf_counter() - t0
+        for run, _ in rows:
+            run.result.draft_seconds += seconds / len(rows)
+        return seconds
+
+    def _flush(self, rows: list[_Running]) -> float:
+        """Rows about to draft consume what their plain rounds deferred, in one call; seconds."""
+        if not rows:
+            return 0.0
+        t0 = time.perf_counter()
+        olds = [r.seq.draft_state for r in rows]
+        tokens = [torch.cat([t for t, _ in r.pending], dim=1) for r in rows]  # each [1, k]
+        hidden = [torch.cat([h for _, h in r.pending], dim=1) for r in rows]  # each [1, k, n, H]
+        news = self._consume_each(olds, tokens, hidden)
+        for run, new in zip(rows, news):
+            run.seq.draft_state, run.pending = new, []
+        return time.perf_counter() - t0
+
+    def _cap(self) -> int:
+        """This round's draft cap from the policy, over the rows that speculate."""
+        rows = [r for r in self.batch.rows if r.seq.draft_state is not None]
+        if not rows or self.max_drafts == 0:
+            return 0
+        if isinstance(self.draft_length, FixedDraftLength):
+            return self.max_drafts
+        fallback = self.draft_length.empirical_survival(self.max_drafts)
+        survival = torch.stack([_fill(r.survival, fallback) for r in rows])  # [B', max_drafts]
+        cap = self.draft_length.cap(survival, self.max_drafts)
+        self.caps.append(cap)
+        return cap
+
+    # provided by BatchEngine
+    batch: Any
+    drafter: Any
+    draft_length: Any
+    max_drafts: int
+    caps: list[int]
+    _engines: dict[str, Any]
+    _consume_each: Any
+
+
+def _fill(survival: Tensor | None, fallback: Tensor) -> Tensor:  # → [len(fallback)] float64
+    if survival is None:
+        return fallback
+    s, n = survival.double().cpu()[: fallback.shape[0]], min(survival.shape[0], fallback.shape[0])
+    if n == 0:
+        return fallback
+    return torch.cat([s, fallback[n:] / fallback[n - 1].clamp_min(1e-9) * s[-1]])  # extend by empirical α
