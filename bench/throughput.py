@@ -1,6 +1,6 @@
 """Throughput of continuous batching at concurrency 1/4/16, with and without speculation.
 
-    python bench/throughput.py [--drafter DIR] [--requests 16 --new-tokens 64 --concurrency 1,4,16]
+    python bench/throughput.py [--drafter DIR --int8-head] [--requests 16 --new-tokens 64 --concurrency 1,4,16]
 
 On the embedded target (built and cached on first use), greedy, held-out prompts: for each
 concurrency c, ``--requests`` requests go through a ``BatchEngine`` that keeps at most c of them
@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import components.drafters  # noqa: F401  (registers every family)
 from components.config import EvalConfig, TargetConfig
 from components.drafters.checkpoint import load_drafter
+from components.drafters.quantize import int8_lm_head
 from components.engine import PromptLookupDrafter
 from components.engine.batch import BatchEngine, Request
 from components.engine.schedule import AdaptiveDraftLength, profile_forward_time
@@ -51,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--int8-head", action="store_true", help="the drafter reads out through an int8 LM head")
     return ap.parse_args()
 
 
@@ -78,7 +80,8 @@ def main() -> None:
                                                 Path(resolve_target_path(cfg)))]
     drafters = {"prompt_lookup": PromptLookupDrafter(target.vocab_size, 7, device=target.device)}
     if args.drafter:
-        drafters = {"drafter": load_drafter(args.drafter, target).eval(), **drafters}
+        drafter = load_drafter(args.drafter, target).eval()
+        drafters = {"drafter": int8_lm_head(drafter) if args.int8_head else drafter, **drafters}
     table = profile_forward_time(target)
     print(f"target {target.num_layers} layers, hidden {target.hidden_size}; {len(prompts)} requests x "
           f"{args.new_tokens} new tokens, greedy, {torch.get_num_threads()} thread(s), {args.device}")
