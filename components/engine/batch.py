@@ -111,7 +111,7 @@ class _Running:
     result: GenerationResult
     started: float
     proposal: Proposal | None = None  # this round's
-    survival: Tensor | None = None  # [γ'] the last proposal's confidence-head survival (if any)
+    survival: Tensor | None = None  # [γ'] this round's proposal's confidence-head survival (if any)
     pending: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # verified (tokens, hidden) the
     # drafter has not consumed yet: plain rounds of a speculating row defer it to its next draft
     drafts: Tensor | None = None  # [1, γ_b] this round's
@@ -195,7 +195,7 @@ class BatchEngine(DraftStep):
         outputs += self._accept(logits, hidden, forward_seconds)
         accepted, drafted = [r.result.accepted[-1] for r in drafting], [r.drafts.shape[1] for r in drafting]
         self.draft_length.observe(accepted, drafted, draft_seconds, forward_seconds, time.perf_counter() - clock,
-                                  logits.shape[0] * logits.shape[1], rows=rows)
+                                  logits.shape[0] * logits.shape[1])
         self._record(outputs, rows, accepted, drafted, draft_seconds, forward_seconds, start)
         return outputs
 

@@ -53,7 +53,9 @@ class DraftStep:
         spent += self._draft_together(together)
         for run in self.batch.rows:
             conf = survival_from_confidences(run.proposal.confidences) if run.proposal is not None else None
-            run.survival = conf[0] if conf is not None else run.survival
+            # no proposal this round (a plain round): no fresh estimate, so the next cap reads the
+            # acceptance seen so far; a stale low confidence would keep the row plain for good
+            run.survival = conf[0] if conf is not None else None
         return spent
 
     def _batchable(self, run: _Running) -> bool:

@@ -22,11 +22,13 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
 
 * survival calibration: per draft position k, the survival it predicted (summed over rows that
   drafted k) against the rows that really got that far; predictions are scaled by the ratio;
-* measured rates: per batch-size bucket, one correction for plain rounds and one for drafting
-  rounds, the running ratio of *measured* tokens per second to the predicted rate. Choices are
-  made on predicted × correction. The side not chosen is tried once early and then every
-  ``recheck`` rounds of the bucket, so a model that misjudges plain rounds (or drafting) learns
-  its real rate; a wrong choice then costs one round in ``recheck``.
+* measured time: per batch-size bucket, one correction for plain rounds and one for drafting
+  rounds, the running ratio of *measured* round seconds to the predicted seconds; rates are
+  predicted tokens / (predicted seconds × correction). Time and tokens are corrected apart
+  because one round's acceptance is far noisier than its time. The side not chosen is tried
+  once early and then every ``recheck`` rounds of the bucket, so a model that misprices plain
+  rounds (or drafting) learns their real cost; a wrong choice then costs one round in
+  ``recheck``.
 
 Knows timings and acceptance numbers only; nothing about models, rules or caches.
 """
@@ -82,7 +84,7 @@ class FixedDraftLength:
         return max_drafts
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
-                round_seconds: float, verify_tokens: int, rows: int = 0) -> None:
+                round_seconds: float, verify_tokens: int) -> None:
         pass
 
 
@@ -104,12 +106,12 @@ class AdaptiveDraftLength:
     calibration_ema: float = 0.3
     recheck: int = 32  # rounds per batch-size bucket between re-tries of the side not chosen
     decay: float = 0.97  # per round, on the survival calibration's running sums
-    corrections: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, G > 0) -> ratio
+    corrections: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, G > 0) -> time ratio
     tried: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, G > 0) -> round last tried
     bucket_rounds: dict[int, int] = field(default_factory=dict)  # rounds played per bucket
     predicted_hits: list[float] = field(default_factory=list)  # per position: Σ predicted survival
     observed_hits: list[float] = field(default_factory=list)  # per position: rows that got that far
-    _last: tuple[tuple[int, bool], float, Tensor] | None = None  # key, predicted rate, survival used
+    _last: tuple[tuple[int, bool], float, Tensor] | None = None  # key, predicted seconds, survival used
 
     def empirical_survival(self, gamma: int) -> Tensor:  # [γ] from the acceptance seen so far
         alphas = [(self.accept_counts[k] + 1.0) / (self.reach_counts[k] + 2.0) if k < len(self.reach_counts)
@@ -135,15 +137,15 @@ class AdaptiveDraftLength:
         caps = torch.arange(max_drafts + 1, dtype=torch.float64)
         seconds = self.scale * self.forward_time(bsz * (caps + 1)) + self.overhead \
             + (caps > 0).double() * self.draft_seconds
-        model = (bsz + gained) / seconds  # [G+1] predicted tokens per second
         bucket = _bucket(bsz)
         corr = torch.tensor([self.corrections.get((bucket, g > 0), 1.0) if self.calibrate else 1.0
                              for g in range(max_drafts + 1)], dtype=torch.float64)
-        choice = int((model * corr).argmax())
+        rates = (bsz + gained) / (seconds * corr)  # [G+1] tokens per second, time corrected
+        choice = int(rates.argmax())
         if self.calibrate and self._recheck_due(bucket, not choice > 0):
-            choice = 0 if choice > 0 else 1 + int((model * corr)[1:].argmax())
+            choice = 0 if choice > 0 else 1 + int(rates[1:].argmax())
         self.last_choice = choice
-        self._last = ((bucket, choice > 0), float(model[choice]), raw)
+        self._last = ((bucket, choice > 0), float(seconds[choice]), raw)
         return choice
 
     def _recheck_due(self, bucket: int, side: bool) -> bool:
@@ -154,11 +156,10 @@ class AdaptiveDraftLength:
         return now >= 1 if last is None else now - last >= self.recheck
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
-                round_seconds: float, verify_tokens: int, rows: int = 0) -> None:
-        """One round's outcome: accepted/drafted per drafting row, its measured seconds, and the
-        rows in the round (each emits one token plus its accepted drafts)."""
+                round_seconds: float, verify_tokens: int) -> None:
+        """One round's outcome: accepted/drafted per drafting row and its measured seconds."""
         if self.calibrate and self._last is not None:
-            self._correct(rows + sum(accepted), round_seconds)
+            self._correct(round_seconds)
             self._count_hits(accepted, drafted)
         self._last = None
         table = float(self.forward_time(float(verify_tokens)))
@@ -178,15 +179,16 @@ class AdaptiveDraftLength:
                 self.reach_counts[k] += 1
                 self.accept_counts[k] += float(k < a)
 
-    def _correct(self, emitted: int, round_seconds: float) -> None:
-        """Moves the chosen side's (plain or speculating) correction toward measured / predicted
-        tokens per second."""
+    def _correct(self, round_seconds: float) -> None:
+        """Moves the chosen side's (plain or drafting) correction toward measured / predicted
+        round seconds (tokens are calibrated by ``_count_hits``: a round's acceptance is far
+        noisier than its time, so the two are corrected apart)."""
         key, predicted, _ = self._last
         self.bucket_rounds[key[0]] = self.bucket_rounds.get(key[0], 0) + 1
         self.tried[key] = self.bucket_rounds[key[0]]
-        if emitted <= 0 or round_seconds <= 0:
+        if round_seconds <= 0:
             return
-        ratio = (emitted / round_seconds) / max(predicted, 1e-12)
+        ratio = round_seconds / max(predicted, 1e-12)
         old = self.corrections.get(key)
         self.corrections[key] = ratio if old is None else (1 - self.calibration_ema) * old \
             + self.calibration_ema * ratio

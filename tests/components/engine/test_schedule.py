@@ -24,7 +24,7 @@ def run_rounds(policy, batch: int, survival: float, true_seconds, true_accept: f
         per_row = [accepted // batch + (i < accepted % batch) for i in range(batch)] if cap else []
         seconds = true_seconds(batch, cap)
         policy.observe(per_row, [cap] * len(per_row), 0.2 * seconds if cap else 0.0, 0.8 * seconds,
-                       seconds, batch * (cap + 1), rows=batch)
+                       seconds, batch * (cap + 1))
     return caps
 
 
