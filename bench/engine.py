@@ -1,8 +1,10 @@
 """Speedup of the speculative engine over target-only decoding, batch 1, greedy, same run.
 
-    python bench/engine.py [--drafter DIR --tree-budget 16 --new-tokens 64 --prompts 4 --reps 3 --int8-head]
+    python bench/engine.py [--drafter DIR --tree-budget 16 --new-tokens 64 --prompts 4 --reps 3 --int8-head
+                            --prompt-set heldout|code]
 
-On the embedded target (built and cached on first use) it times, per prompt, plain greedy
+On the embedded target (built and cached on first use) and its held-out prompts (the
+evaluation stage's; ``--prompt-set code``: short code openings instead) it times, per prompt, plain greedy
 decoding (``target_only_generate``) and the engine with: the drafter (a trained checkpoint from
 ``--drafter``, else a random-init DSpark, expect < 1x), the same drafter with token trees of
 ``--tree-budget`` nodes (``TreeEngine``: DDTree, and DominoTree from a causal head if the drafter
@@ -29,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import components.drafters  # noqa: F401  (registers every family)
-from components.config import DrafterConfig, TargetConfig
+from components.config import DrafterConfig, EvalConfig, TargetConfig
 from components.drafters.checkpoint import load_drafter
 from components.drafters.quantize import int8_lm_head
 from components.drafters.registry import build_drafter
@@ -41,7 +43,9 @@ from components.engine import (
     TreeEngine,
     target_only_generate,
 )
+from components.evaluation.prompts import eval_prompts
 from components.target import load_target
+from components.target.hf import resolve_target_path
 
 PROMPTS = ["def main(args):\n    ", "import os\nimport sys\n", "class Foo:\n    def __init__(self",
            "for i in range(10):\n    ", "    return self._", "if __name__ == '__main__':\n"]
@@ -51,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-set", choices=("heldout", "code"), default="heldout",
+                    help="heldout: the evaluation stage's held-out prompts of the embedded target; "
+                         "code: short hand-written code openings (no BOS, off the training distribution)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gamma", type=int, default=0, help="drafts per round (0: the drafter's default)")
     ap.add_argument("--drafter", default="", help="trained drafter checkpoint (default: random-init DSpark)")
@@ -119,10 +126,14 @@ def main() -> None:
         "oracle (upper bound)": lambda p, ref: SpeculativeEngine(
             target, OracleDrafter(p + ref, target.vocab_size, gamma or 7, device=target.device), "greedy"),
     }
-    prompts = [target.tokenizer(t)["input_ids"] for t in PROMPTS[: args.prompts]]
+    if args.prompt_set == "code":
+        prompts = [target.tokenizer(t)["input_ids"] for t in PROMPTS[: args.prompts]]
+    else:
+        prompts = [list(p.input_ids) for p in eval_prompts(EvalConfig(num_prompts=args.prompts), target.tokenizer,
+                                                    Path(resolve_target_path(TargetConfig(device=args.device))))]
     print(f"target {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, "
           f"vocab {target.vocab_size}), {args.device}, {torch.get_num_threads()} thread(s), "
-          f"{args.new_tokens} new tokens, {len(prompts)} prompts, median of {args.reps}; "
+          f"{args.new_tokens} new tokens, {len(prompts)} {args.prompt_set} prompts, median of {args.reps}; "
           f"{dspark.cfg.name} γ={gamma or dspark.num_drafts}, {dspark.cfg.num_layers} layers, "
           f"{dspark.num_parameters():,} params")
     report([bench_prompt(target, engines, p, args) for p in prompts], args.new_tokens)

@@ -1,6 +1,7 @@
 """Throughput of continuous batching at concurrency 1/4/16, with and without speculation.
 
-    python bench/throughput.py [--drafter DIR --int8-head] [--requests 16 --new-tokens 64 --concurrency 1,4,16]
+    python bench/throughput.py [--drafter DIR --int8-head] [--requests 16 --new-tokens 64 --concurrency 1,4,16
+                               --reps 3]
 
 On the embedded target (built and cached on first use), greedy, held-out prompts: for each
 concurrency c, ``--requests`` requests go through a ``BatchEngine`` that keeps at most c of them
@@ -14,7 +15,8 @@ in flight (requests join as others finish). Methods, measured back to back in th
 
 ``--drafter``: a trained drafter checkpoint (e.g. ``<run_dir>/train/drafter``); without it only
 prompt lookup speculates. Every output is checked equal to plain greedy decoding (lossless).
-Printed: tokens/s, τ, mean cap, and the ratio to plain at the same concurrency. Nothing is
+Printed: tokens/s, τ, mean cap (of the last run), and the ratio to plain at the same concurrency;
+with ``--reps N`` every method runs N times, interleaved, and medians are shown. Nothing is
 asserted about time.
 """
 
@@ -51,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=1, help="runs per method, interleaved; medians are shown")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--int8-head", action="store_true", help="the drafter reads out through an int8 LM head")
     return ap.parse_args()
@@ -87,19 +90,27 @@ def main() -> None:
           f"{args.new_tokens} new tokens, greedy, {torch.get_num_threads()} thread(s), {args.device}")
     print("profiled T(n) ms: " + ", ".join(f"{int(x)}:{1000 * float(y):.1f}" for x, y in zip(table.xs, table.ys)))
     print(f"{'conc':>4} {'method':<24}{'tok/s':>9}{'tau':>7}{'cap':>6}{'vs plain':>10}")
+    methods = [("plain", None, "")] + [(name, d, mode) for name, d in drafters.items() for mode in ("fixed", "adaptive")]
     for conc in (int(c) for c in args.concurrency.split(",")):
-        base_s, base_out, _, _ = run(target, None, prompts, args, conc)
-        total = sum(len(o) for o in base_out)
-        print(f"{conc:>4} {'plain':<24}{total / base_s:9.1f}{1.0:7.2f}{0:6.1f}{1.0:9.2f}x")
-        for name, drafter in drafters.items():
-            for mode in ("fixed", "adaptive"):
+        seconds: dict[str, list[float]] = {}
+        shown: dict[str, tuple[float, float]] = {}
+        base_out = None
+        for _ in range(args.reps):  # methods interleaved, so drift on a busy host hits all alike
+            for name, drafter, mode in methods:
                 policy = AdaptiveDraftLength(table) if mode == "adaptive" else None
                 secs, out, tau, cap = run(target, drafter, prompts, args, conc, policy)
+                base_out = out if base_out is None else base_out
                 if out != base_out:
                     raise SystemExit(f"{name} {mode} at concurrency {conc}: output differs from plain greedy")
-                print(f"{conc:>4} {name + ' ' + mode:<24}{total / secs:9.1f}{tau:7.2f}{cap:6.1f}"
-                      f"{base_s / secs:9.2f}x")
-
+                label = f"{name} {mode}".strip()
+                seconds.setdefault(label, []).append(secs)
+                shown[label] = (tau, cap if drafter is not None else 0.0)
+        total = sum(len(o) for o in base_out)
+        base_s = statistics.median(seconds["plain"])
+        for label, secs in seconds.items():
+            med = statistics.median(secs)
+            tau, cap = shown[label]
+            print(f"{conc:>4} {label:<24}{total / med:9.1f}{tau:7.2f}{cap:6.1f}{base_s / med:9.2f}x")
 
 if __name__ == "__main__":
     main()
