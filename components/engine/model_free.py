@@ -6,7 +6,8 @@
 * ``TargetDrafter``       -- drafts with the target itself (optionally at another temperature):
   always right under greedy, a close-but-different q under sampling; for tests;
 * ``PromptLookupDrafter`` -- n-gram prompt lookup: finds the latest earlier occurrence of the
-  trailing n-gram in the context and proposes the tokens that followed it.
+  trailing n-gram in the context and proposes the tokens that followed it (continued by
+  looking up again when they run out, so loops are followed past one period).
 
 All three keep the committed token ids (the hidden states they are given are ignored, so they
 ask for no target taps: ``layer_ids = []``) and return one-hot or processed distributions as q.
@@ -89,13 +90,29 @@ class PromptLookupDrafter(TokenDrafter):
                 generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
         gamma = num_drafts or self.num_drafts
         context = state.tokens + [int(last_token[0])]
-        follow = lookup(context, self.max_ngram)
-        tokens = (follow[:gamma] + [context[-1]] * gamma)[:gamma]  # pad by repeating the last token
+        follow = lookup(context, self.max_ngram, gamma)
+        tokens = (follow + [context[-1]] * gamma)[:gamma]  # no match at all: repeat the last token
         return one_hot_proposal(tokens, self.vocab_size, self.device)
 
 
-def lookup(context: list[int], max_ngram: int) -> list[int]:
-    """Tokens that followed the latest earlier occurrence of context's trailing n-gram ([] if none)."""
+def lookup(context: list[int], max_ngram: int, count: int | None = None) -> list[int]:
+    """Tokens that followed the latest earlier occurrence of context's trailing n-gram ([] if none).
+
+    With ``count``, up to ``count`` tokens: when the continuation reaches the end of the context
+    (the match was one loop period back), the lookup runs again on the context plus what it
+    proposed, so a repeating pattern is continued instead of cut at one period."""
+    if count is None:
+        return _follow(context, max_ngram)
+    drafted: list[int] = []
+    while len(drafted) < count:
+        follow = _follow(context + drafted, max_ngram)
+        if not follow:
+            break
+        drafted += follow[: count - len(drafted)]
+    return drafted
+
+
+def _follow(context: list[int], max_ngram: int) -> list[int]:
     ids = torch.tensor(context, dtype=torch.long)
     for n in range(min(max_ngram, len(context) - 1), 0, -1):
         windows = ids.unfold(0, n, 1)[:-1]  # [L-n, n] every earlier n-gram (the trailing one excluded)

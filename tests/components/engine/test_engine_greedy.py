@@ -68,6 +68,10 @@ def test_lookup_finds_latest_ngram():
 
     assert lookup([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 2) == [4, 5, 1, 2]
     assert lookup([7, 8, 9], 3) == []
+    # a loop one period back: the continuation is looked up again instead of stopping at 3 tokens
+    assert lookup([5, 6, 7, 5, 6, 7, 5, 6], 2, count=7) == [7, 5, 6, 7, 5, 6, 7]
+    assert lookup([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 2, count=3) == [4, 5, 1]
+    assert lookup([7, 8, 9], 3, count=4) == []
 
 
 def test_cache_cropped_to_committed_length_no_recompute(tiny_target, references, monkeypatch):
