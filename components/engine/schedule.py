@@ -22,9 +22,11 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
 
 * survival calibration: per draft position k, the survival it predicted (summed over rows that
   drafted k) against the rows that really got that far; predictions are scaled by the ratio;
-* measured time: per batch-size bucket, one correction for plain rounds and one for drafting
-  rounds, the running ratio of *measured* round seconds to the predicted seconds; rates are
-  predicted tokens / (predicted seconds × correction). Time and tokens are corrected apart
+* measured time: a (batch size, cap) already played is priced at its measured round seconds
+  (running mean); one not played yet at the model's seconds times its side's measured/model
+  ratio in the batch-size bucket (one ratio for plain rounds, one for all drafting caps, each
+  against the model as updated by the round, so terms the model was still learning do not
+  inflate it). Time and tokens are corrected apart
   because one round's acceptance is far noisier than its time. The side not chosen is tried
   once early and then every ``recheck`` rounds of the bucket, so a model that misprices plain
   rounds (or drafting) learns their real cost; a wrong choice then costs one round in
@@ -107,11 +109,12 @@ class AdaptiveDraftLength:
     recheck: int = 32  # rounds per batch-size bucket between re-tries of the side not chosen
     decay: float = 0.97  # per round, on the survival calibration's running sums
     corrections: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, G > 0) -> time ratio
+    round_times: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, G) -> measured seconds
     tried: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, G > 0) -> round last tried
     bucket_rounds: dict[int, int] = field(default_factory=dict)  # rounds played per bucket
     predicted_hits: list[float] = field(default_factory=list)  # per position: Σ predicted survival
     observed_hits: list[float] = field(default_factory=list)  # per position: rows that got that far
-    _last: tuple[tuple[int, bool], float, Tensor] | None = None  # key, predicted seconds, survival used
+    _last: tuple[tuple[int, int], Tensor] | None = None  # (B, G) chosen, survival it read
 
     def empirical_survival(self, gamma: int) -> Tensor:  # [γ] from the acceptance seen so far
         alphas = [(self.accept_counts[k] + 1.0) / (self.reach_counts[k] + 2.0) if k < len(self.reach_counts)
@@ -137,16 +140,24 @@ class AdaptiveDraftLength:
         caps = torch.arange(max_drafts + 1, dtype=torch.float64)
         seconds = self.scale * self.forward_time(bsz * (caps + 1)) + self.overhead \
             + (caps > 0).double() * self.draft_seconds
-        bucket = _bucket(bsz)
-        corr = torch.tensor([self.corrections.get((bucket, g > 0), 1.0) if self.calibrate else 1.0
-                             for g in range(max_drafts + 1)], dtype=torch.float64)
-        rates = (bsz + gained) / (seconds * corr)  # [G+1] tokens per second, time corrected
+        if self.calibrate:
+            seconds = torch.tensor([self._seconds(bsz, g, float(seconds[g])) for g in range(max_drafts + 1)],
+                                   dtype=torch.float64)
+        rates = (bsz + gained) / seconds  # [G+1] tokens per second
         choice = int(rates.argmax())
-        if self.calibrate and self._recheck_due(bucket, not choice > 0):
+        if self.calibrate and self._recheck_due(_bucket(bsz), not choice > 0):
             choice = 0 if choice > 0 else 1 + int(rates[1:].argmax())
         self.last_choice = choice
-        self._last = ((bucket, choice > 0), float(seconds[choice]), raw)
+        self._last = ((bsz, choice), raw)
         return choice
+
+    def _seconds(self, bsz: int, cap: int, model: float) -> float:
+        """A round's seconds at this batch size and cap: as measured, if it was played; else the
+        model's, times its side's (plain or drafting) measured/model ratio in this bucket."""
+        measured = self.round_times.get((bsz, cap))
+        if measured is not None:
+            return measured
+        return model * self.corrections.get((_bucket(bsz), cap > 0), 1.0)
 
     def _recheck_due(self, bucket: int, side: bool) -> bool:
         """Whether the side not chosen is due a try: never tried (after one measured round of
@@ -158,19 +169,14 @@ class AdaptiveDraftLength:
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
                 round_seconds: float, verify_tokens: int) -> None:
         """One round's outcome: accepted/drafted per drafting row and its measured seconds."""
-        if self.calibrate and self._last is not None:
-            self._correct(round_seconds)
-            self._count_hits(accepted, drafted)
-        self._last = None
         table = float(self.forward_time(float(verify_tokens)))
         first = self.rounds_seen == 0  # the first measurement replaces the priors outright
         self.rounds_seen += 1
         self.scale = self._mean(self.scale, forward_seconds / max(table, 1e-9), first)
         self.overhead = self._mean(self.overhead, max(0.0, round_seconds - forward_seconds - draft_seconds), first)
-        if not drafted:
-            return
-        self.draft_seconds = draft_seconds if self.draft_seconds == 0 else self._mean(self.draft_seconds,
-                                                                                     draft_seconds)
+        if drafted:
+            self.draft_seconds = draft_seconds if self.draft_seconds == 0 else self._mean(self.draft_seconds,
+                                                                                         draft_seconds)
         for a, d in zip(accepted, drafted):
             while len(self.reach_counts) < d:
                 self.reach_counts.append(0.0)
@@ -178,25 +184,34 @@ class AdaptiveDraftLength:
             for k in range(min(a + 1, d)):  # positions 0..a reached; 0..a-1 accepted
                 self.reach_counts[k] += 1
                 self.accept_counts[k] += float(k < a)
+        if self.calibrate and self._last is not None:
+            # against the model as updated by this round: the correction keeps only what the
+            # shared terms (scale, overhead, draft time) cannot explain for this bucket and cap
+            predicted = self.scale * table + self.overhead + (self.draft_seconds if drafted else 0.0)
+            self._correct(round_seconds, predicted)
+            self._count_hits(accepted, drafted)
+        self._last = None
 
-    def _correct(self, round_seconds: float) -> None:
-        """Moves the chosen side's (plain or drafting) correction toward measured / predicted
-        round seconds (tokens are calibrated by ``_count_hits``: a round's acceptance is far
-        noisier than its time, so the two are corrected apart)."""
-        key, predicted, _ = self._last
-        self.bucket_rounds[key[0]] = self.bucket_rounds.get(key[0], 0) + 1
-        self.tried[key] = self.bucket_rounds[key[0]]
+    def _correct(self, round_seconds: float, predicted: float) -> None:
+        """Records the chosen cap's measured round seconds and moves its side's (plain or
+        drafting) measured/model ratio (tokens are calibrated by ``_count_hits``: a round's
+        acceptance is far noisier than its time, so the two are corrected apart)."""
+        (bsz, cap), _ = self._last
+        bucket = _bucket(bsz)
+        side = (bucket, cap > 0)
+        self.bucket_rounds[bucket] = self.bucket_rounds.get(bucket, 0) + 1
+        self.tried[side] = self.bucket_rounds[bucket]
         if round_seconds <= 0:
             return
-        ratio = round_seconds / max(predicted, 1e-12)
-        old = self.corrections.get(key)
-        self.corrections[key] = ratio if old is None else (1 - self.calibration_ema) * old \
-            + self.calibration_ema * ratio
+        for table, key, value in ((self.corrections, side, round_seconds / max(predicted, 1e-12)),
+                                  (self.round_times, (bsz, cap), round_seconds)):
+            old = table.get(key)
+            table[key] = value if old is None else (1 - self.calibration_ema) * old + self.calibration_ema * value
 
     def _count_hits(self, accepted: list[int], drafted: list[int]) -> None:
         """Survival calibration: per position k, the predicted P(first k accepted) summed over the
         rows that drafted k, against how many of them did (decayed running sums)."""
-        _, _, raw = self._last
+        _, raw = self._last
         if not drafted or len(drafted) != raw.shape[0]:
             return  # rows changed between cap and observe: skip rather than misalign
         gamma = max(drafted)
