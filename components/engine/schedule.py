@@ -12,8 +12,8 @@ second (the DSpark scheduler's objective, ``components.spec.cost``, for a padded
 G = 0 skips the drafter altogether, so when the batch is large enough that a wider pass costs
 more than the accepted tokens are worth, speculation switches itself off instead of slowing the
 batch. Survival a_{b,k} comes from the drafter's confidence head (DSpark: σ(c_k), cumulated) of
-the request's last proposal, else from the acceptance seen so far (per draft position, over all
-requests). Draft time t_draft, the table's scale s (measured forward / T) and the per-round
+the request's proposal in the round before (none after a plain round), else from the acceptance
+seen so far (per draft position, over all requests). Draft time t_draft, the table's scale s (measured forward / T) and the per-round
 overhead o (cache bookkeeping, the drafter consuming the verified states, Python) are running
 means of what the engine measured; o matters because plain decoding pays it once per token.
 
@@ -25,12 +25,11 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
 * measured time: a (batch size, cap) already played is priced at its measured round seconds
   (running mean); one not played yet at the model's seconds times its side's measured/model
   ratio in the batch-size bucket (one ratio for plain rounds, one for all drafting caps, each
-  against the model as updated by the round, so terms the model was still learning do not
-  inflate it). Time and tokens are corrected apart
-  because one round's acceptance is far noisier than its time. The side not chosen is tried
-  once early and then every ``recheck`` rounds of the bucket, so a model that misprices plain
-  rounds (or drafting) learns their real cost; a wrong choice then costs one round in
-  ``recheck``.
+  taken against the model as updated by the round, so terms the model was still learning do
+  not inflate it). Time and tokens are corrected apart because one round's acceptance is far
+  noisier than its time. The side not chosen is tried once early and then every ``recheck``
+  rounds of the bucket, so a model that misprices plain rounds (or drafting) learns their real
+  cost; a wrong choice then costs one round in ``recheck``.
 
 Knows timings and acceptance numbers only; nothing about models, rules or caches.
 """
@@ -104,7 +103,7 @@ class AdaptiveDraftLength:
     reach_counts: list[float] = field(default_factory=list)  # per position: drafted and reached
     last_choice: int = -1
     rounds_seen: int = 0
-    calibrate: bool = True  # survival calibration and measured-rate corrections (module docstring)
+    calibrate: bool = True  # survival calibration and measured round times (module docstring)
     calibration_ema: float = 0.3
     recheck: int = 32  # rounds per batch-size bucket between re-tries of the side not chosen
     decay: float = 0.97  # per round, on the survival calibration's running sums
