@@ -242,9 +242,9 @@ class DFlashDrafter(Drafter):
         """``propose`` for many batch-1 states in ONE backbone pass (the batch engine's rows):
         contexts of different lengths are right-padded and masked. last_tokens [R]. ``sampling``
         is shared or one per row; with ``generators`` (one per row) each row's readout draws
-        from its own generator, as ``propose`` for that row alone would (``num_drafts`` per row
-        then keeps each row's draws to its own γ). All-greedy rows (no randomness used) are read
-        out together, at the longest γ."""
+        from its own generator, as ``propose`` for that row alone would. ``num_drafts`` is shared
+        or one per row; each row's proposal has its own γ (all-greedy rows, which use no
+        randomness, are read out together at the longest γ and then cut)."""
         per_row = num_drafts if isinstance(num_drafts, list) else [num_drafts or self.block_drafts] * len(states)
         gamma = max(per_row)
         if gamma > self.block_drafts:
@@ -272,8 +272,9 @@ class DFlashDrafter(Drafter):
         if all(_greedy(s) for s in samplings):
             prop = self.sample_readout(z, last_tokens, samplings[0], None)
             conf = prop.confidences
-            return [Proposal(prop.tokens[i:i + 1], prop.logits[i:i + 1], prop.probs[i:i + 1],
-                             conf[i:i + 1] if conf is not None else None, z[i:i + 1]) for i in range(r)]
+            return [Proposal(prop.tokens[i:i + 1, :g], prop.logits[i:i + 1, :g], prop.probs[i:i + 1, :g],
+                             conf[i:i + 1, :g] if conf is not None else None, z[i:i + 1, :g])
+                    for i, g in enumerate(per_row)]
         gens = generators if generators is not None else [None] * r
         props = [self.sample_readout(z[i:i + 1, :per_row[i]], last_tokens[i:i + 1], samplings[i], gens[i])
                  for i in range(r)]

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from components.drafters.base import Proposal
 from components.engine.engine import sync_device
 from components.engine.schedule import FixedDraftLength, survival_from_confidences
 
@@ -62,8 +61,8 @@ class DraftStep:
         return hasattr(self.drafter, "propose_many") and self._engines[run.request.rule].loop_stages == 1
 
     def _draft_together(self, rows: list[tuple[_Running, int]]) -> float:
-        """Drafts of ``rows`` (run, γ) in one drafter pass, each cut to its own γ and picked by
-        its own rule with its own randomness."""
+        """Drafts of ``rows`` (run, γ) in one drafter pass, each of its own γ, picked by its own
+        rule with its own randomness."""
         if not rows:
             return 0.0
         t0 = time.perf_counter()
@@ -71,11 +70,9 @@ class DraftStep:
         samplings = [self._engines[run.request.rule].rule.draft_sampling(run.rnd) for run, _ in rows]
         props = self.drafter.propose_many([run.seq.draft_state for run, _ in rows], last, samplings,
                                           [g for _, g in rows], generators=[run.rnd.generator for run, _ in rows])
-        for (run, g), prop in zip(rows, props):
-            cut = Proposal(prop.tokens[:, :g], prop.logits[:, :g], prop.probs[:, :g],
-                           prop.confidences[:, :g] if prop.confidences is not None else None, prop.states[:, :g])
+        for (run, g), prop in zip(rows, props):  # each proposal already cut to its row's γ
             positions = torch.arange(run.seq.length, run.seq.length + g, device=last.device)[None, :]
-            run.proposal, run.drafts = cut, run.rule.pick_drafts(cut, positions, run.rnd)
+            run.proposal, run.drafts = prop, run.rule.pick_drafts(prop, positions, run.rnd)
         sync_device(last.device)
         seconds = time.perf_counter() - t0
         for run, _ in rows:

@@ -137,8 +137,7 @@ class AdaptiveDraftLength:
         bsz = a.shape[0]
         gained = torch.cat([torch.zeros(1, dtype=torch.float64), a.sum(dim=0).cumsum(dim=0)])  # [G+1]
         caps = torch.arange(max_drafts + 1, dtype=torch.float64)
-        seconds = self.scale * self.forward_time(bsz * (caps + 1)) + self.overhead \
-            + (caps > 0).double() * self.draft_seconds
+        seconds = self._model_seconds(self.forward_time(bsz * (caps + 1)), (caps > 0).double())
         if self.calibrate:
             seconds = torch.tensor([self._seconds(bsz, g, float(seconds[g])) for g in range(max_drafts + 1)],
                                    dtype=torch.float64)
@@ -149,6 +148,10 @@ class AdaptiveDraftLength:
         self.last_choice = choice
         self._last = ((bsz, choice), raw)
         return choice
+
+    def _model_seconds(self, forward: Any, drafting: Any) -> Any:
+        """The model's round seconds: s·T(n) + o + [drafting]·t_draft (floats or tensors)."""
+        return self.scale * forward + self.overhead + drafting * self.draft_seconds
 
     def _seconds(self, bsz: int, cap: int, model: float) -> float:
         """A round's seconds at this batch size and cap: as measured, if it was played; else the
@@ -186,7 +189,7 @@ class AdaptiveDraftLength:
         if self.calibrate and self._last is not None:
             # against the model as updated by this round: the correction keeps only what the
             # shared terms (scale, overhead, draft time) cannot explain for this bucket and cap
-            predicted = self.scale * table + self.overhead + (self.draft_seconds if drafted else 0.0)
+            predicted = self._model_seconds(table, float(bool(drafted)))
             self._correct(round_seconds, predicted)
             self._count_hits(accepted, drafted)
         self._last = None
