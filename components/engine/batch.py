@@ -137,9 +137,10 @@ class BatchEngine(DraftStep):
                  loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
                  max_batch_size: int = 16, compact_at: float = 0.5,
                  draft_length: FixedDraftLength | AdaptiveDraftLength | None = None):
-        """``drafter=None``: every request decodes plainly. ``compact_at``: the fraction of holes
-        in the ragged cache above which it is compacted after a round. ``draft_length``: the
-        per-round cap on drafts (default fixed γ; ``AdaptiveDraftLength`` shrinks it under load)."""
+        """``drafter=None``: every request decodes plainly. ``compact_at``: the fraction of the
+        ragged cache's width that compaction would free, above which it is compacted after a
+        round. ``draft_length``: the per-round cap on drafts (default fixed γ;
+        ``AdaptiveDraftLength`` shrinks it under load)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.target, self.drafter = target, drafter
@@ -307,7 +308,7 @@ class BatchEngine(DraftStep):
                 outs.append(StepOutput(run.request.request_id, emitted))
         self.batch.cache.commit(keep)
         self._remove(finished)
-        if self.batch.cache is not None and self.batch.cache.holes() > self.compact_at:
+        if self.batch.cache is not None and self.batch.cache.reclaimable() > self.compact_at:
             self.batch.cache.compact()
         return outs
 

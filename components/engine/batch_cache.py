@@ -12,6 +12,8 @@ position ids, so RoPE sees the logical positions while attention sees only valid
 
 Nothing is recomputed. Holes cost memory and attention work until ``compact`` gathers each
 row's valid slots to the right (a copy, no model call); ``trim`` drops columns that no row uses.
+Compaction narrows the cache only to the longest row's count of valid slots, so a batch whose
+holes are mostly left padding gains nothing from it (``reclaimable``).
 
 Requests join (``concat``, after their own batch-1 prefill) and leave (``select``) between
 rounds; leaving frees the row. This module knows HF's ``DynamicCache`` layer tensors
@@ -83,6 +85,14 @@ class RaggedCache:
     def holes(self) -> float:
         """Fraction of slots that are masked out."""
         return 1.0 - float(self.valid.float().mean()) if self.valid.numel() else 0.0
+
+    def reclaimable(self) -> float:
+        """Fraction of the width that ``compact`` would free: 1 - (longest row's valid slots) / width.
+        Left padding of shorter rows is a hole that compaction cannot remove, so this, not
+        ``holes``, says whether compacting pays."""
+        if not self.valid.numel():
+            return 0.0
+        return 1.0 - int(self.valid.sum(dim=1).max()) / self.length
 
     def compact(self) -> None:
         """Moves each row's valid slots to the right end (order kept); the width becomes the

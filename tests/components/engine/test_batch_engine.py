@@ -155,7 +155,10 @@ def test_ragged_cache_compaction_keeps_attention_exact(tiny_target):
     for b, p in enumerate(prompts):
         ref = tiny_target.forward(torch.tensor([p + [7]])).logits[:, -1]
         torch.testing.assert_close(exact[b:b + 1], ref, atol=1e-5, rtol=1e-5)
+    assert ragged.holes() > 0 and ragged.reclaimable() == 0  # left padding only: nothing to gain
     ragged.valid[0, -2] = False  # punch a hole in row 0
+    counts = [len(p) - (b == 0) for b, p in enumerate(prompts)]
+    assert ragged.reclaimable() == pytest.approx(1 - max(counts) / max(len(p) for p in prompts))
     before = next_logits(ragged)
     ragged.compact()
     after = next_logits(ragged)
