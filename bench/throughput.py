@@ -1,16 +1,21 @@
 """Throughput of continuous batching at concurrency 1/4/16, with and without speculation.
 
-    python bench/throughput.py [--drafter DIR --int8-head] [--requests 16 --new-tokens 64 --concurrency 1,4,16
-                               --reps 3]
+    python bench/throughput.py [--drafter DIR --int8-head] [--per-slot 4 | --requests N] [--new-tokens 64
+                               --concurrency 1,4,16 --reps 3 --forward-profile]
 
 On the embedded target (built and cached on first use), greedy, held-out prompts: for each
-concurrency c, ``--requests`` requests go through a ``BatchEngine`` that keeps at most c of them
-in flight (requests join as others finish). Methods, measured back to back in the same run:
+concurrency c, ``--per-slot`` × c requests (at least 16; or ``--requests N`` at every c) go
+through a ``BatchEngine`` that keeps at most c of them in flight (requests join as others
+finish), so the load is sustained; with N = c the run is one closed batch and measures how long
+its slowest request takes (plain rows all finish together, speculative ones do not). Methods,
+measured back to back in the same run:
 
 * ``plain``             -- no drafter: one token per request per round (the baseline);
 * ``<drafter> fixed``   -- speculation with the drafter's γ every round;
-* ``<drafter> adaptive``-- the cap chosen per round from survival estimates and a forward-time
-  table profiled on this machine at start (``components.engine.schedule``); 0 = plain round;
+* ``<drafter> adaptive``-- the cap chosen per round from survival estimates and the engine's
+  round times per (batch size, cap), profiled on this machine at start for that drafter
+  (``components.engine.profile``; ``--forward-profile``: the older target-forward curve T(n)
+  instead); 0 = plain round;
 * ``prompt_lookup fixed/adaptive`` -- the model-free n-gram drafter, likewise.
 
 ``--drafter``: a trained drafter checkpoint (e.g. ``<run_dir>/train/drafter``); without it only
@@ -40,6 +45,7 @@ from components.drafters.checkpoint import load_drafter
 from components.drafters.quantize import int8_lm_head
 from components.engine import PromptLookupDrafter
 from components.engine.batch import BatchEngine, Request
+from components.engine.profile import profile_round_times
 from components.engine.schedule import AdaptiveDraftLength, profile_forward_time
 from components.evaluation.prompts import eval_prompts
 from components.target import load_target
@@ -49,13 +55,16 @@ from components.target.hf import resolve_target_path
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", default="", help="trained drafter checkpoint directory")
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=0, help="requests at every concurrency (default: --per-slot)")
+    ap.add_argument("--per-slot", type=int, default=4, help="requests per slot of concurrency (at least 16 in all)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=1, help="runs per method, interleaved; medians are shown")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--int8-head", action="store_true", help="the drafter reads out through an int8 LM head")
+    ap.add_argument("--forward-profile", action="store_true",
+                    help="adaptive rows price rounds from the target's forward curve T(n), not profiled rounds")
     return ap.parse_args()
 
 
@@ -73,32 +82,52 @@ def run(target: Any, drafter: Any, prompts: list[list[int]], args: argparse.Name
     return seconds, [r.tokens for r in results], tau, cap
 
 
+def profile_policies(target: Any, drafters: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Per drafter, a maker of fresh adaptive policies over what was profiled here, printed."""
+    if args.forward_profile:
+        table = profile_forward_time(target)
+        print("profiled T(n) ms: " + ", ".join(f"{int(x)}:{1000 * float(y):.1f}" for x, y in zip(table.xs, table.ys)))
+        return {name: (lambda: AdaptiveDraftLength(table)) for name in drafters}
+    top = max(int(c) for c in args.concurrency.split(","))
+    sizes = sorted({1, top} | {b for b in (2, 4, 8, 16, 32, 64) if b < top})
+    makers = {}
+    for name, drafter in drafters.items():
+        t0 = time.perf_counter()
+        rounds = profile_round_times(target, drafter, sizes)
+        print(f"profiled round ms, {name} ({time.perf_counter() - t0:.0f} s), per batch size, caps 0..{rounds.max_cap}:")
+        for b, row in zip(rounds.batch_sizes, rounds.seconds):
+            print(f"  B={b:<3}" + " ".join(f"{1000 * float(x):6.1f}" for x in row))
+        makers[name] = (lambda r=rounds: AdaptiveDraftLength(round_time=r))
+    return makers
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = TargetConfig(device=args.device)
     target = load_target(cfg)
-    prompts = [list(p.input_ids) for p in eval_prompts(EvalConfig(num_prompts=args.requests), target.tokenizer,
+    levels = [int(c) for c in args.concurrency.split(",")]
+    counts = {c: args.requests or max(16, args.per_slot * c) for c in levels}
+    prompts = [list(p.input_ids) for p in eval_prompts(EvalConfig(num_prompts=max(counts.values())), target.tokenizer,
                                                 Path(resolve_target_path(cfg)))]
     drafters = {"prompt_lookup": PromptLookupDrafter(target.vocab_size, 7, device=target.device)}
     if args.drafter:
         drafter = load_drafter(args.drafter, target).eval()
         drafters = {"drafter": int8_lm_head(drafter) if args.int8_head else drafter, **drafters}
-    table = profile_forward_time(target)
-    print(f"target {target.num_layers} layers, hidden {target.hidden_size}; {len(prompts)} requests x "
-          f"{args.new_tokens} new tokens, greedy, {torch.get_num_threads()} thread(s), {args.device}")
-    print("profiled T(n) ms: " + ", ".join(f"{int(x)}:{1000 * float(y):.1f}" for x, y in zip(table.xs, table.ys)))
-    print(f"{'conc':>4} {'method':<24}{'tok/s':>9}{'tau':>7}{'cap':>6}{'vs plain':>10}")
+    print(f"target {target.num_layers} layers, hidden {target.hidden_size}; requests x {args.new_tokens} new "
+          f"tokens, greedy, {torch.get_num_threads()} thread(s), {args.device}")
+    policies = profile_policies(target, drafters, args)
+    print(f"{'conc':>4} {'reqs':>4} {'method':<24}{'tok/s':>9}{'tau':>7}{'cap':>6}{'vs plain':>10}")
     methods = [("plain", None, "")] + [(name, d, mode) for name, d in drafters.items() for mode in ("fixed", "adaptive")]
-    for conc in (int(c) for c in args.concurrency.split(",")):
+    for conc in levels:
         seconds: dict[str, list[float]] = {}
         shown: dict[str, tuple[float, float]] = {}
         base_out = None
         for _ in range(args.reps):  # methods interleaved, so drift on a busy host hits all alike
             for name, drafter, mode in methods:
-                policy = AdaptiveDraftLength(table) if mode == "adaptive" else None
-                secs, out, tau, cap = run(target, drafter, prompts, args, conc, policy)
+                policy = policies[name]() if mode == "adaptive" else None
+                secs, out, tau, cap = run(target, drafter, prompts[:counts[conc]], args, conc, policy)
                 base_out = out if base_out is None else base_out
                 if out != base_out:
                     raise SystemExit(f"{name} {mode} at concurrency {conc}: output differs from plain greedy")
@@ -110,7 +139,8 @@ def main() -> None:
         for label, secs in seconds.items():
             med = statistics.median(secs)
             tau, cap = shown[label]
-            print(f"{conc:>4} {label:<24}{total / med:9.1f}{tau:7.2f}{cap:6.1f}{base_s / med:9.2f}x")
+            print(f"{conc:>4} {counts[conc]:>4} {label:<24}{total / med:9.1f}{tau:7.2f}{cap:6.1f}{base_s / med:9.2f}x")
+
 
 if __name__ == "__main__":
     main()

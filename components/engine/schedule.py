@@ -13,9 +13,15 @@ G = 0 skips the drafter altogether, so when the batch is large enough that a wid
 more than the accepted tokens are worth, speculation switches itself off instead of slowing the
 batch. Survival a_{b,k} comes from the drafter's confidence head (DSpark: σ(c_k), cumulated) of
 the request's proposal in the round before (none after a plain round), else from the acceptance
-seen so far (per draft position, over all requests). Draft time t_draft, the table's scale s (measured forward / T) and the per-round
-overhead o (cache bookkeeping, the drafter consuming the verified states, Python) are running
-means of what the engine measured; o matters because plain decoding pays it once per token.
+seen so far (per draft position, over all requests). Draft time t_draft, the table's scale s
+(measured forward / T) and the per-round overhead o (cache bookkeeping, the drafter consuming
+the verified states, Python) are running means of what the engine measured; o matters because
+plain decoding pays it once per token.
+
+Better than T(n) and those means, where it can be afforded: ``round_time``, the engine's whole
+round profiled per (B, G) before serving (``profile.profile_round_times``); time(G) is then
+read from it, and what drafting and bookkeeping really cost at each width is known from the
+first round instead of learned at a loss in every batch size.
 
 The model can be wrong where it matters (an over-confident head, a width whose real cost the
 profile misses), so with ``calibrate`` (default) the policy checks itself in two ways:
@@ -27,9 +33,13 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   ratio in the batch-size bucket (one ratio for plain rounds, one for all drafting caps, each
   taken against the model as updated by the round, so terms the model was still learning do
   not inflate it). Time and tokens are corrected apart because one round's acceptance is far
-  noisier than its time. The side not chosen is tried once early and then every ``recheck``
-  rounds of the bucket, so a model that misprices plain rounds (or drafting) learns their real
-  cost; a wrong choice then costs one round in ``recheck``.
+  noisier than its time. The side not chosen is tried once early, so a model that misprices
+  plain rounds (or drafting) learns their real cost, and then again with exponential back-off:
+  ``min_recheck`` rounds of the bucket later, doubling while a try loses (the round after it
+  goes back to the other side) up to ``recheck``, and back to ``min_recheck`` when one wins.
+  A plain round yields no confidences, so a request that went plain on one bad round sees only
+  the acceptance seen so far; the early tries keep one bad round from keeping it plain, while a
+  side that keeps losing costs a try in ``recheck`` rounds.
 
 Knows timings and acceptance numbers only; nothing about models, rules or caches.
 """
@@ -94,7 +104,8 @@ class AdaptiveDraftLength:
     """Per-round cap G on the drafts, from survival estimates and a forward-time table, checked
     against the clock (module docstring)."""
 
-    forward_time: ProfileTable  # seconds of a target pass over n tokens
+    forward_time: ProfileTable | None = None  # seconds of a target pass over n tokens
+    round_time: Any = None  # profiled seconds of a whole round, (B, G) -> s (``profile.RoundTimes``)
     draft_seconds: float = 0.0  # running mean per drafting round (learned from observe)
     scale: float = 1.0  # measured forward seconds / T(n) (running mean)
     overhead: float = 0.0  # seconds per round outside drafting and the target forward (running mean)
@@ -105,7 +116,9 @@ class AdaptiveDraftLength:
     rounds_seen: int = 0
     calibrate: bool = True  # survival calibration and measured round times (module docstring)
     calibration_ema: float = 0.3
-    recheck: int = 32  # rounds per batch-size bucket between re-tries of the side not chosen
+    recheck: int = 32  # most rounds per batch-size bucket between re-tries of the side not chosen
+    min_recheck: int = 2  # fewest (back-off: doubles while tries lose)
+    backoff: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, G > 0) -> rounds between tries
     decay: float = 0.97  # per round, on the survival calibration's running sums
     corrections: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, G > 0) -> time ratio
     round_times: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, G) -> measured seconds
@@ -114,10 +127,23 @@ class AdaptiveDraftLength:
     predicted_hits: list[float] = field(default_factory=list)  # per position: Σ predicted survival
     observed_hits: list[float] = field(default_factory=list)  # per position: rows that got that far
     _last: tuple[tuple[int, int], Tensor] | None = None  # (B, G) chosen, survival it read
+    _probe: tuple[int, bool] | None = None  # (bucket, side) tried against the model's choice last round
 
-    def empirical_survival(self, gamma: int) -> Tensor:  # [γ] from the acceptance seen so far
-        alphas = [(self.accept_counts[k] + 1.0) / (self.reach_counts[k] + 2.0) if k < len(self.reach_counts)
-                  else 0.5 for k in range(gamma)]
+    def __post_init__(self) -> None:
+        if self.forward_time is None and self.round_time is None:
+            raise ValueError("AdaptiveDraftLength needs a forward_time table or a round_time profile")
+
+    def empirical_survival(self, gamma: int, prior: float = 2.0) -> Tensor:  # [γ]
+        """P(first k drafts accepted) from the acceptance seen so far: per position k,
+        α_k = (accepted_k + m·α_{k-1}) / (reached_k + m), m = ``prior`` pseudo-rounds, α_0's prior
+        ½. A position never reached (capped below it so far) inherits the one before, so a
+        drafter accepting well at the first positions is expected to go on doing so, and caps
+        above those played so far stay worth trying."""
+        alphas, prev = [], 0.5
+        for k in range(gamma):
+            acc, reach = (self.accept_counts[k], self.reach_counts[k]) if k < len(self.reach_counts) else (0.0, 0.0)
+            prev = (acc + prior * prev) / (reach + prior)
+            alphas.append(prev)
         return torch.tensor(alphas, dtype=torch.float64).cumprod(dim=0)
 
     def calibrated(self, survival: Tensor) -> Tensor:
@@ -136,18 +162,23 @@ class AdaptiveDraftLength:
         a = self.calibrated(raw)
         bsz = a.shape[0]
         gained = torch.cat([torch.zeros(1, dtype=torch.float64), a.sum(dim=0).cumsum(dim=0)])  # [G+1]
-        caps = torch.arange(max_drafts + 1, dtype=torch.float64)
-        seconds = self._model_seconds(self.forward_time(bsz * (caps + 1)), (caps > 0).double())
+        seconds = self._round_model(bsz, max_drafts)
         if self.calibrate:
             seconds = torch.tensor([self._seconds(bsz, g, float(seconds[g])) for g in range(max_drafts + 1)],
                                    dtype=torch.float64)
         rates = (bsz + gained) / seconds  # [G+1] tokens per second
-        choice = int(rates.argmax())
-        if self.calibrate and self._recheck_due(_bucket(bsz), not choice > 0):
-            choice = 0 if choice > 0 else 1 + int(rates[1:].argmax())
+        choice = self._explore(_bucket(bsz), rates) if self.calibrate else int(rates.argmax())
         self.last_choice = choice
         self._last = ((bsz, choice), raw)
         return choice
+
+    def _round_model(self, bsz: int, max_drafts: int) -> Tensor:
+        """[max_drafts + 1] the model's round seconds at batch ``bsz`` per cap: the profiled
+        round times when given, else s·T(B·(G+1)) + o + [G > 0]·t_draft."""
+        if self.round_time is not None:
+            return torch.tensor([self.round_time(bsz, g) for g in range(max_drafts + 1)], dtype=torch.float64)
+        caps = torch.arange(max_drafts + 1, dtype=torch.float64)
+        return self._model_seconds(self.forward_time(bsz * (caps + 1)), (caps > 0).double())
 
     def _model_seconds(self, forward: Any, drafting: Any) -> Any:
         """The model's round seconds: s·T(n) + o + [drafting]·t_draft (floats or tensors)."""
@@ -161,20 +192,38 @@ class AdaptiveDraftLength:
             return measured
         return model * self.corrections.get((_bucket(bsz), cap > 0), 1.0)
 
+    def _explore(self, bucket: int, rates: Tensor) -> int:
+        """The best cap by ``rates`` [G+1], or the other side's best when a try of it is due;
+        settles last round's try first (won: tries as often as ``min_recheck``; lost: half as
+        often, down to one in ``recheck``)."""
+        best = int(rates.argmax())
+        if self._probe is not None and self._probe[0] == bucket:
+            won = self._probe[1] == (best > 0)
+            wait = self.backoff.get(self._probe, self.min_recheck)
+            self.backoff[self._probe] = self.min_recheck if won else min(2 * wait, self.recheck)
+        self._probe = None
+        side = not best > 0
+        if not self._recheck_due(bucket, side):
+            return best
+        self._probe = (bucket, side)
+        return 1 + int(rates[1:].argmax()) if side else 0
+
     def _recheck_due(self, bucket: int, side: bool) -> bool:
         """Whether the side not chosen is due a try: never tried (after one measured round of
-        this bucket), or not tried for ``recheck`` rounds of it."""
+        this bucket), or not tried for its back-off's rounds of it."""
         now = self.bucket_rounds.get(bucket, 0)
         last = self.tried.get((bucket, side))
-        return now >= 1 if last is None else now - last >= self.recheck
+        wait = self.backoff.get((bucket, side), self.min_recheck)
+        return now >= 1 if last is None else now - last >= wait
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
                 round_seconds: float, verify_tokens: int) -> None:
         """One round's outcome: accepted/drafted per drafting row and its measured seconds."""
-        table = float(self.forward_time(float(verify_tokens)))
+        table = float(self.forward_time(float(verify_tokens))) if self.forward_time is not None else 0.0
         first = self.rounds_seen == 0  # the first measurement replaces the priors outright
         self.rounds_seen += 1
-        self.scale = self._mean(self.scale, forward_seconds / max(table, 1e-9), first)
+        if self.forward_time is not None:
+            self.scale = self._mean(self.scale, forward_seconds / max(table, 1e-9), first)
         self.overhead = self._mean(self.overhead, max(0.0, round_seconds - forward_seconds - draft_seconds), first)
         if drafted:
             self.draft_seconds = draft_seconds if self.draft_seconds == 0 else self._mean(self.draft_seconds,
@@ -189,7 +238,11 @@ class AdaptiveDraftLength:
         if self.calibrate and self._last is not None:
             # against the model as updated by this round: the correction keeps only what the
             # shared terms (scale, overhead, draft time) cannot explain for this bucket and cap
-            predicted = self._model_seconds(table, float(bool(drafted)))
+            (bsz, _), _ = self._last
+            if self.round_time is not None:
+                predicted = self.round_time(bsz, max(0, verify_tokens // max(bsz, 1) - 1))
+            else:
+                predicted = self._model_seconds(table, float(bool(drafted)))
             self._correct(round_seconds, predicted)
             self._count_hits(accepted, drafted)
         self._last = None

@@ -54,8 +54,30 @@ def test_calibration_keeps_speculating_when_it_measures_faster():
 
     policy = AdaptiveDraftLength(flat_table())
     caps = run_rounds(policy, 4, 0.9, true_seconds, 0.9)
-    assert caps.count(0) <= 1 + len(caps) // policy.recheck
+    assert caps.count(0) <= 5  # tries of plain after rounds 1, 3, 7, 15, 31: each loses, so back-off
     assert min(c for c in caps if c) >= 4
+    assert caps[32:].count(0) <= 1
+
+
+def test_one_bad_round_does_not_keep_a_request_plain():
+    """Batch 1: the first drafting round accepts nothing, so the policy goes plain, where it
+    sees no confidences, only that round's acceptance. Its early re-try of drafting finds the
+    drafter good again, and drafting stays on."""
+    def true_seconds(batch, cap):
+        return 0.02 + (0.015 if cap else 0.0)
+
+    policy, caps, fresh = AdaptiveDraftLength(flat_table()), [], None
+    for i in range(40):
+        survival = fresh if fresh is not None else policy.empirical_survival(GAMMA)[None, :]
+        cap = policy.cap(survival, GAMMA)
+        caps.append(cap)
+        accepted = [0 if i == 0 else cap] if cap else []
+        seconds = true_seconds(1, cap)
+        policy.observe(accepted, [cap] if cap else [], 0.01 if cap else 0.0, seconds - 0.01, seconds, cap + 1)
+        fresh = torch.full((1, GAMMA), 0.9, dtype=torch.float64).cumprod(dim=-1) if cap else None
+    assert caps[0] > 0 and caps[1] == 0
+    assert caps[3] > 0  # drafting tried again two rounds later, and kept
+    assert caps[3:].count(0) <= 5  # only the backed-off tries of plain rounds
 
 
 def test_calibration_is_kept_per_batch_size():

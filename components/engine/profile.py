@@ -1,0 +1,129 @@
+"""Profiled round times of the batch engine: the seconds of one whole round, drafting, the
+verify pass, acceptance and cache bookkeeping included, per batch size B and draft cap G.
+
+The adaptive draft-length policy (``schedule.AdaptiveDraftLength``) needs the price of every
+(B, G) it may pick before it has played it. A curve of the target's forward time alone,
+``T(B·(G+1))``, misses what grows with G besides the forward: the drafter's own pass, the
+per-row verification, the drafter consuming the verified states, the holes and compactions of
+the ragged cache. On a compute-bound host (a CPU, a small model) these decide whether a cap
+pays at all; a policy that must learn them online spends its first rounds of every batch size
+drafting at a loss. So, as an inference server profiles its model before it takes traffic,
+``profile_round_times`` runs the engine as configured on synthetic requests (random tokens, a
+``context``-token prompt, greedy) and times ``rounds`` rounds per (B, G) after one warm-up,
+the caps interleaved, keeping the median, made non-increasing towards smaller caps.
+
+Acceptance does not enter the table (the policy gets it from confidences and what it sees);
+random prompts keep acceptance near zero, so every round pays for its rejected slots, as a
+round that drafts in vain does. Knows the batch engine's public API only.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from components.engine.batch import BatchEngine, Request
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class RoundTimes:
+    """Seconds of one engine round per (batch size, cap): a measured grid, interpolated.
+
+    Between profiled batch sizes the seconds are linear in B; above the largest they grow in
+    proportion to B (each row brings its own tokens); a cap above the largest profiled one is
+    held at it."""
+
+    batch_sizes: list[int]  # increasing
+    seconds: Tensor  # [len(batch_sizes), max_cap + 1] float64
+
+    def __post_init__(self) -> None:
+        self.seconds = torch.as_tensor(self.seconds, dtype=torch.float64)
+        if self.seconds.dim() != 2 or self.seconds.shape[0] != len(self.batch_sizes) or not self.batch_sizes:
+            raise ValueError(f"RoundTimes: seconds {tuple(self.seconds.shape)} does not match "
+                             f"{len(self.batch_sizes)} batch sizes")
+        if any(b <= a for a, b in zip(self.batch_sizes, self.batch_sizes[1:])) or self.batch_sizes[0] < 1:
+            raise ValueError(f"RoundTimes: batch sizes must be increasing and >= 1, got {self.batch_sizes}")
+
+    @property
+    def max_cap(self) -> int:
+        return self.seconds.shape[1] - 1
+
+    def __call__(self, batch_size: int, cap: int) -> float:
+        col = self.seconds[:, min(max(int(cap), 0), self.max_cap)]
+        sizes, b = self.batch_sizes, float(batch_size)
+        if b >= sizes[-1]:
+            return float(col[-1]) * b / sizes[-1]
+        if b <= sizes[0]:
+            return float(col[0])
+        hi = next(i for i, s in enumerate(sizes) if s >= b)
+        t = (b - sizes[hi - 1]) / (sizes[hi] - sizes[hi - 1])
+        return float(col[hi - 1] + t * (col[hi] - col[hi - 1]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch_sizes": list(self.batch_sizes), "seconds": self.seconds.tolist()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RoundTimes:
+        return cls([int(b) for b in data["batch_sizes"]], torch.tensor(data["seconds"], dtype=torch.float64))
+
+
+class _PinnedCap:
+    """A draft-length policy whose cap the profiler sets between rounds."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def empirical_survival(self, gamma: int) -> Tensor:
+        return torch.ones(gamma, dtype=torch.float64)
+
+    def cap(self, survival: Tensor, max_drafts: int) -> int:
+        return min(self.value, max_drafts)
+
+    def observe(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@torch.no_grad()
+def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+                        context: int = 64, rounds: int = 4, seed: int = 0, **engine_kwargs: Any) -> RoundTimes:
+    """Median seconds of ``rounds`` engine rounds (after one warm-up) for every batch size in
+    ``batch_sizes`` and every cap 0..γ·stages of ``drafter``; ``engine_kwargs`` configure the
+    ``BatchEngine`` as it will serve (DLoop stages, carryover, ...)."""
+    if drafter is None:
+        raise ValueError("profile_round_times needs a drafter: without one every round is plain")
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for bsz in sorted({int(b) for b in batch_sizes}):
+        pinned = _PinnedCap()
+        engine = BatchEngine(target, drafter, max_batch_size=bsz, draft_length=pinned, **engine_kwargs)
+        caps = range(engine.max_drafts + 1)
+        budget = len(caps) * (rounds + 1) * (engine.max_drafts + 1) + 2  # no request ends early
+        for _ in range(bsz):
+            prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
+            engine.add(Request(prompt, budget))
+        engine.step()  # admission (prefills) and a first round: not timed
+        samples: list[list[float]] = [[] for _ in caps]
+        for rep in range(rounds + 1):  # caps interleaved: a slow spell of the host hits them all
+            for cap in caps:
+                pinned.value = cap
+                t0 = time.perf_counter()
+                engine.step()
+                if rep:  # the first pass warms every width up
+                    samples[cap].append(time.perf_counter() - t0)
+        row = [statistics.median(x) for x in samples]
+        for request_id in engine.running:
+            engine.cancel(request_id)
+        engine.step()
+        rows.append(row)
+    # seconds(B, G) = min over G' ≥ G of the measured: a narrower cap never costs more than a
+    # wider one, and a slow (cold, interrupted) measurement is not believed
+    seconds = torch.tensor(rows, dtype=torch.float64).flip(1).cummin(dim=1).values.flip(1)
+    return RoundTimes(sorted({int(b) for b in batch_sizes}), seconds)

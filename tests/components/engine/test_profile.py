@@ -1,0 +1,87 @@
+"""Profiled engine round times: the grid, its interpolation, and the adaptive policy pricing
+rounds from it from the first round on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from components.engine.batch import BatchEngine
+from components.engine.profile import RoundTimes, profile_round_times
+from components.engine.schedule import AdaptiveDraftLength
+from tests.components.engine.test_engine_greedy import random_drafter
+from tests.components.engine.test_schedule import GAMMA, run_rounds
+
+
+def test_profile_covers_every_batch_size_and_cap(tiny_target):
+    drafter = random_drafter(tiny_target, "dspark")
+    table = profile_round_times(tiny_target, drafter, batch_sizes=(3, 1), context=8, rounds=1)
+    caps = BatchEngine(tiny_target, drafter).max_drafts + 1
+    assert table.batch_sizes == [1, 3] and tuple(table.seconds.shape) == (2, caps)
+    assert bool((table.seconds > 0).all())
+    with pytest.raises(ValueError, match="needs a drafter"):
+        profile_round_times(tiny_target, None)
+
+
+def test_round_times_interpolate_in_batch_size_and_hold_the_last_cap():
+    table = RoundTimes([1, 4], torch.tensor([[1.0, 2.0], [4.0, 8.0]]))
+    assert table(1, 0) == 1.0 and table(4, 1) == 8.0
+    assert table(2, 0) == pytest.approx(2.0)  # linear between profiled sizes
+    assert table(8, 1) == pytest.approx(16.0)  # above the largest: in proportion to B
+    assert table(4, 5) == 8.0  # caps above the profiled ones: held
+    assert RoundTimes.from_dict(table.to_dict())(2, 1) == pytest.approx(table(2, 1))
+    with pytest.raises(ValueError, match="batch sizes"):
+        RoundTimes([4, 1], torch.ones(2, 2))
+    with pytest.raises(ValueError, match="does not match"):
+        RoundTimes([1], torch.ones(2, 2))
+
+
+def profiled(seconds) -> RoundTimes:
+    """A profile that is exactly the simulated clock ``seconds(batch, cap)``, at batch 4."""
+    return RoundTimes([4], torch.tensor([[seconds(4, g) for g in range(GAMMA + 1)]]))
+
+
+def test_policy_on_a_profile_that_says_drafting_loses_stays_plain_from_the_start():
+    """Every drafted token costs a full plain round's time and half of them are accepted: the
+    profiled policy plays plain rounds from the first one, apart from its re-checks."""
+    def true_seconds(batch, cap):
+        return 0.01 * (cap + 1)
+
+    caps = run_rounds(AdaptiveDraftLength(round_time=profiled(true_seconds)), 4, 0.5, true_seconds, 0.5)
+    assert caps[0] == 0 and caps.count(0) >= len(caps) - 5  # tries of drafting back off: rounds 1, 3, 7, ...
+
+
+def test_policy_on_a_profile_that_says_drafting_is_free_drafts_fully_from_the_start():
+    def true_seconds(batch, cap):
+        return 0.01
+
+    policy = AdaptiveDraftLength(round_time=profiled(true_seconds))
+    caps = run_rounds(policy, 4, 0.9, true_seconds, 0.9)
+    assert caps[0] == GAMMA and caps.count(0) <= 5
+
+
+def test_policy_needs_a_forward_table_or_a_round_profile():
+    with pytest.raises(ValueError, match="round_time"):
+        AdaptiveDraftLength()
+
+
+def test_without_confidences_the_policy_climbs_past_the_caps_it_has_seen():
+    """A drafter with no confidence head (prompt lookup) at batch 1: survival comes from the
+    acceptance seen so far. Cap 1 is cheap and caps above it cost more; the drafter accepts 90%
+    at every position. Positions never drafted inherit the acceptance of the ones before, so the
+    policy goes on to the full cap instead of staying at 1 (where it would learn nothing of
+    positions 2+)."""
+    def true_seconds(batch, cap):
+        return 0.013 if cap == 0 else 0.018 if cap == 1 else 0.028
+
+    table = RoundTimes([1], torch.tensor([[true_seconds(1, g) for g in range(GAMMA + 1)]]))
+    policy, caps, gen = AdaptiveDraftLength(round_time=table), [], torch.Generator().manual_seed(0)
+    for _ in range(40):
+        cap = policy.cap(policy.empirical_survival(GAMMA)[None, :], GAMMA)
+        caps.append(cap)
+        hits = (torch.rand(cap, generator=gen) < 0.9).long()
+        accepted = int(hits.cumprod(0).sum()) if cap else 0  # leading drafts accepted
+        seconds = true_seconds(1, cap)
+        policy.observe([accepted] if cap else [], [cap] if cap else [], 0.0, seconds, seconds, cap + 1)
+    assert caps[-20:].count(GAMMA) >= 16
+    assert 0.2 < float(policy.empirical_survival(GAMMA)[-1]) < 0.8  # true: 0.9^7 = 0.48
