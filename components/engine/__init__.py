@@ -5,6 +5,7 @@
   per-request rules/sampling/seeds/stop tokens, cancellation;
 * ``tree``       -- ``TreeEngine``: DDTree token trees per round (batch 1), greedy/Gumbel/sampling;
 * ``schedule``   -- fixed or adaptive (DSpark-style, load-aware) draft cap per round;
+* ``profile``    -- the batch engine's round times per (batch size, cap), for the adaptive cap;
 * ``async_engine`` -- ``AsyncEngine``: requests in, async token streams out (for serving);
 * ``rules``      -- greedy / Gumbel / speculative / block rules as the engine applies them;
 * ``model_free`` -- oracle, target-as-drafter and prompt-lookup drafters behind the same protocol.

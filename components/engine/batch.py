@@ -111,7 +111,9 @@ class _Running:
     result: GenerationResult
     started: float
     proposal: Proposal | None = None  # this round's
-    survival: Tensor | None = None  # [γ'] this round's proposal's confidence-head survival (if any)
+    survival: Tensor | None = None  # [γ'] this round's proposal's survival, calibrated for this row
+    raw_survival: Tensor | None = None  # [γ'] the same as the confidence head gave it
+    hits: list[float] = field(default_factory=lambda: [0.0, 0.0])  # this row's Σ predicted, Σ accepted
     pending: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # verified (tokens, hidden) the
     # drafter has not consumed yet: plain rounds of a speculating row defer it to its next draft
     drafts: Tensor | None = None  # [1, γ_b] this round's

@@ -31,6 +31,7 @@ class DraftStep:
 
     def _draft(self) -> float:
         """Drafts for every speculating row under this round's cap; returns the seconds spent."""
+        self._count_row_hits()
         cap = self._cap()
         spent = self._flush([r for r in self.batch.rows if r.pending and cap and r.seq.draft_state is not None])
         together: list[tuple[_Running, int]] = []
@@ -54,8 +55,24 @@ class DraftStep:
             conf = survival_from_confidences(run.proposal.confidences) if run.proposal is not None else None
             # no proposal this round (a plain round): no fresh estimate, so the next cap reads the
             # acceptance seen so far; a stale low confidence would keep the row plain for good
-            run.survival = conf[0] if conf is not None else None
+            run.raw_survival = conf[0] if conf is not None else None
+            run.survival = _row_calibrated(run.raw_survival, run.hits) if self._per_row else run.raw_survival
         return spent
+
+    @property
+    def _per_row(self) -> bool:
+        """Rows' survival calibrated by their own record: when the policy calibrates at all."""
+        return bool(getattr(self.draft_length, "calibrate", False))
+
+    def _count_row_hits(self) -> None:
+        """Each row that drafted last round adds what its confidences predicted and what it got
+        (decayed), for ``_row_calibrated``: the head's error is not the same on every request."""
+        for run in self.batch.rows:
+            if run.drafts is None or run.raw_survival is None or not run.result.accepted:
+                continue
+            drafted = run.drafts.shape[1]
+            run.hits[0] = ROW_DECAY * run.hits[0] + float(run.raw_survival[:drafted].sum())
+            run.hits[1] = ROW_DECAY * run.hits[1] + float(run.result.accepted[-1])
 
     def _batchable(self, run: _Running) -> bool:
         return hasattr(self.drafter, "propose_many") and self._engines[run.request.rule].loop_stages == 1
@@ -100,19 +117,40 @@ class DraftStep:
         if isinstance(self.draft_length, FixedDraftLength):
             return self.max_drafts
         fallback = self.draft_length.empirical_survival(self.max_drafts)
-        survival = torch.stack([_fill(r.survival, fallback) for r in rows])  # [B', max_drafts]
-        cap = self.draft_length.cap(survival, self.max_drafts)
+        # a row without a fresh estimate (after a plain round): the acceptance seen over all
+        # rows, scaled by this row's own record
+        survival = torch.stack([_fill(r.survival, fallback) if r.survival is not None or not self._per_row
+                                else _row_calibrated(fallback, r.hits) for r in rows])  # [B', max_drafts]
+        # no request waiting: the batch is draining, and its time is that of its last row
+        remaining = None if self.waiting else [r.remaining for r in rows]
+        cap = self.draft_length.cap(survival, self.max_drafts, remaining=remaining)
         self.caps.append(cap)
         return cap
 
     # provided by BatchEngine
     batch: Any
+    waiting: Any
     drafter: Any
     draft_length: Any
     max_drafts: int
     caps: list[int]
     _engines: dict[str, Any]
     _consume_each: Any
+
+
+ROW_DECAY = 0.8  # per round, on a row's predicted/accepted sums
+ROW_PRIOR = 1.0  # pseudo-tokens on both sides of a row's ratio
+
+
+def _row_calibrated(survival: Tensor | None, hits: list[float]) -> Tensor | None:
+    """A row's survival [γ'] scaled by what its own past rounds got against what its
+    confidences predicted, (accepted + m) / (predicted + m), monotone and at most 1. The
+    policy's per-position calibration works over all rows; this one catches the request the
+    head is steadily wrong about (a hard continuation in a batch of easy ones)."""
+    if survival is None:
+        return None
+    ratio = (hits[1] + ROW_PRIOR) / (hits[0] + ROW_PRIOR)
+    return (survival.double() * ratio).clamp(0, 1).cummin(dim=-1).values
 
 
 def _fill(survival: Tensor | None, fallback: Tensor) -> Tensor:  # → [len(fallback)] float64

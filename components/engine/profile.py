@@ -84,7 +84,7 @@ class _PinnedCap:
     def empirical_survival(self, gamma: int) -> Tensor:
         return torch.ones(gamma, dtype=torch.float64)
 
-    def cap(self, survival: Tensor, max_drafts: int) -> int:
+    def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int:
         return min(self.value, max_drafts)
 
     def observe(self, *args: Any, **kwargs: Any) -> None:

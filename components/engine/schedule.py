@@ -18,6 +18,13 @@ seen so far (per draft position, over all requests). Draft time t_draft, the tab
 the verified states, Python) are running means of what the engine measured; o matters because
 plain decoding pays it once per token.
 
+Draining (``remaining`` given: no request waits to join the batch) the batch's time is that of
+its row to finish last, not its tokens per second: plain rounds take every row forward by one
+token and finish them together, while speculative rounds finish rows unevenly and can leave a
+slow row alone for many cheap but nearly empty rounds. So the policy then maximises, per
+second, the smallest share of its remaining tokens a row is expected to get done this round,
+min_b E_b[tokens](G) / left_b. At batch 1 it is the same choice as tokens per second.
+
 Better than T(n) and those means, where it can be afforded: ``round_time``, the engine's whole
 round profiled per (B, G) before serving (``profile.profile_round_times``); time(G) is then
 read from it, and what drafting and bookkeeping really cost at each width is known from the
@@ -91,7 +98,7 @@ def profile_forward_time(target: Any, sizes: tuple[int, ...] = DEFAULT_PROFILE_S
 class FixedDraftLength:
     """Always the engine's γ (times its DLoop stages)."""
 
-    def cap(self, survival: Tensor, max_drafts: int) -> int:  # survival [B, γ]
+    def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int:  # survival [B, γ]
         return max_drafts
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
@@ -156,17 +163,22 @@ class AdaptiveDraftLength:
             a[:, :k] = (a[:, :k] * torch.tensor(ratio, dtype=torch.float64)).clamp(0, 1)
         return a.cummin(dim=-1).values
 
-    def cap(self, survival: Tensor, max_drafts: int) -> int:
-        """survival [B, ≥max_drafts] → the cap G in 0..max_drafts with the best tokens/second."""
+    def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int:
+        """survival [B, ≥max_drafts] → the cap G in 0..max_drafts with the best tokens/second;
+        with ``remaining`` (tokens left per row, given when no request waits to join), the best
+        progress of the row that will finish last instead (module docstring: draining)."""
         raw = survival[:, :max_drafts].double().clamp(0, 1).cummin(dim=-1).values
         a = self.calibrated(raw)
         bsz = a.shape[0]
-        gained = torch.cat([torch.zeros(1, dtype=torch.float64), a.sum(dim=0).cumsum(dim=0)])  # [G+1]
         seconds = self._round_model(bsz, max_drafts)
         if self.calibrate:
             seconds = torch.tensor([self._seconds(bsz, g, float(seconds[g])) for g in range(max_drafts + 1)],
                                    dtype=torch.float64)
-        rates = (bsz + gained) / seconds  # [G+1] tokens per second
+        if remaining is None:
+            gained = torch.cat([torch.zeros(1, dtype=torch.float64), a.sum(dim=0).cumsum(dim=0)])  # [G+1]
+            rates = (bsz + gained) / seconds  # [G+1] tokens per second
+        else:
+            rates = _drain_rates(a, remaining) / seconds  # [G+1] the last row's share done per second
         choice = self._explore(_bucket(bsz), rates) if self.calibrate else int(rates.argmax())
         self.last_choice = choice
         self._last = ((bsz, choice), raw)
@@ -283,6 +295,19 @@ class AdaptiveDraftLength:
 
     def _mean(self, old: float, new: float, replace: bool = False) -> float:
         return new if replace else (1 - self.ema) * old + self.ema * new
+
+
+def _drain_rates(survival: Tensor, remaining: list[int]) -> Tensor:
+    """survival [B, γ], tokens left per row → [γ+1]: per cap G, min over rows of the expected
+    tokens this round (1 + Σ_{k ≤ min(G, left-1)} a_k) / tokens left: the fraction of its work
+    that the row finishing last gets done in one round."""
+    left = torch.tensor(remaining, dtype=torch.float64).clamp_min(1)  # [B]
+    gamma = survival.shape[1]
+    ks = torch.arange(1, gamma + 1, dtype=torch.float64)  # [γ]
+    usable = survival * (ks[None, :] <= (left[:, None] - 1))  # drafts past the end are cut
+    tokens = torch.cat([torch.ones(survival.shape[0], 1, dtype=torch.float64),
+                        1 + usable.cumsum(dim=1)], dim=1)  # [B, γ+1]
+    return (tokens / left[:, None]).min(dim=0).values
 
 
 def _bucket(batch_size: int) -> int:

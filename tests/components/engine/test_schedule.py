@@ -93,3 +93,22 @@ def test_calibration_is_kept_per_batch_size():
 
 def test_fixed_draft_length_always_drafts_the_cap():
     assert FixedDraftLength().cap(torch.ones(2, GAMMA, dtype=torch.float64), GAMMA) == GAMMA
+
+
+def test_draining_batch_follows_the_row_that_finishes_last():
+    """16 rows, 15 of them accepting well and one hardly at all, with a round at the full cap
+    costing 3.5 plain rounds: for tokens per second drafting wins; for a batch that is draining
+    (no request waiting), the poor row would need about as many rounds as plain decoding, each
+    3.5 times dearer, so the policy plays plain rounds. At batch 1 both objectives agree."""
+    from components.engine.profile import RoundTimes
+
+    seconds = [0.037] + [0.037 * (1 + 2.5 * g / GAMMA) for g in range(1, GAMMA + 1)]
+    table = RoundTimes([16], torch.tensor([seconds]))
+    survival = torch.full((16, GAMMA), 0.95, dtype=torch.float64).cumprod(dim=-1)
+    survival[3] = torch.full((GAMMA,), 0.05, dtype=torch.float64).cumprod(dim=-1)
+    assert AdaptiveDraftLength(round_time=table).cap(survival, GAMMA) > 0
+    assert AdaptiveDraftLength(round_time=table).cap(survival, GAMMA, remaining=[31] * 16) == 0
+    one = RoundTimes([1], torch.tensor([[0.02] + [0.03] * GAMMA]))
+    good = torch.full((1, GAMMA), 0.9, dtype=torch.float64).cumprod(dim=-1)
+    assert (AdaptiveDraftLength(round_time=one).cap(good, GAMMA)
+            == AdaptiveDraftLength(round_time=one).cap(good, GAMMA, remaining=[20]) == GAMMA)
