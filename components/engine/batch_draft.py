@@ -139,7 +139,7 @@ class DraftStep:
 
 
 ROW_DECAY = 0.8  # per round, on a row's predicted/accepted sums
-ROW_PRIOR = 1.0  # pseudo-tokens on both sides of a row's ratio
+ROW_PRIOR = 4.0  # pseudo-tokens on both sides of a row's ratio: about one round's worth of evidence
 
 
 def _row_calibrated(survival: Tensor | None, hits: list[float]) -> Tensor | None:

@@ -17,9 +17,9 @@ def test_row_calibration_scales_by_the_rows_own_record():
     assert _row_calibrated(None, [3.0, 1.0]) is None
     same = _row_calibrated(survival, [0.0, 0.0])  # no record yet: as the head says
     torch.testing.assert_close(same, survival)
-    doubted = _row_calibrated(survival, [7.0, 1.0])  # predicted 7 accepted, got 1: (1+1)/(7+1)
-    torch.testing.assert_close(doubted, survival * 0.25)
-    trusted = _row_calibrated(survival, [1.0, 7.0])  # got more than predicted: capped at 1
+    doubted = _row_calibrated(survival, [11.0, 1.0])  # predicted 11 accepted, got 1: (1+4)/(11+4)
+    torch.testing.assert_close(doubted, survival / 3)
+    trusted = _row_calibrated(survival, [1.0, 11.0])  # got more than predicted: capped at 1
     assert float(trusted.max()) <= 1.0 and bool((trusted[1:] <= trusted[:-1]).all())
 
 
