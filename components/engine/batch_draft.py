@@ -1,6 +1,11 @@
 """The batch engine's drafting step: this round's draft cap, deferred drafter updates, and the
 drafts of every speculating row.
 
+The cap is asked of the draft-length policy with each row's survival estimate: its latest
+proposal's confidences, scaled by the row's own record of accepted against predicted drafts
+(when the policy calibrates), else the acceptance seen over all rows scaled the same way; and,
+when no request waits to join, each row's tokens left (the batch is draining).
+
 Rows whose drafter has ``propose_many`` (block drafters) and that draft in one stage share one
 padded, masked drafter pass; each row's readout then draws from that row's own sampling
 parameters and generator, exactly as ``SpeculativeEngine.draft`` would for the row alone (so
