@@ -4,9 +4,9 @@
                                --concurrency 1,4,16 --reps 3 --forward-profile]
 
 On the embedded target (built and cached on first use), greedy, held-out prompts: for each
-concurrency c, ``--per-slot`` × c requests (at least 16; or ``--requests N`` at every c) go
-through a ``BatchEngine`` that keeps at most c of them in flight (requests join as others
-finish), so the load is sustained; with N = c the run is one closed batch and measures how long
+concurrency c, the first ``--per-slot`` × c of 64 drawn prompts (at least 16; or
+``--requests N`` at every c) go through a ``BatchEngine`` that keeps at most c of them in
+flight (requests join as others finish), so the load is sustained; with N = c the run is one closed batch and measures how long
 its slowest request takes (plain rows all finish together, speculative ones do not). Methods,
 measured back to back in the same run:
 
@@ -50,6 +50,8 @@ from components.engine.schedule import AdaptiveDraftLength, profile_forward_time
 from components.evaluation.prompts import eval_prompts
 from components.target import load_target
 from components.target.hf import resolve_target_path
+
+POOL = 64  # held-out prompts drawn; each concurrency takes the first ones it needs
 
 
 def parse_args() -> argparse.Namespace:
@@ -109,7 +111,8 @@ def main() -> None:
     target = load_target(cfg)
     levels = [int(c) for c in args.concurrency.split(",")]
     counts = {c: args.requests or max(16, args.per_slot * c) for c in levels}
-    prompts = [list(p.input_ids) for p in eval_prompts(EvalConfig(num_prompts=max(counts.values())), target.tokenizer,
+    pool = max(POOL, *counts.values())  # one draw whatever the levels: c = 4 alone runs c = 4's prompts
+    prompts = [list(p.input_ids) for p in eval_prompts(EvalConfig(num_prompts=pool), target.tokenizer,
                                                 Path(resolve_target_path(cfg)))]
     drafters = {"prompt_lookup": PromptLookupDrafter(target.vocab_size, 7, device=target.device)}
     if args.drafter:

@@ -46,7 +46,9 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   goes back to the other side) up to ``recheck``, and back to ``min_recheck`` when one wins.
   A plain round yields no confidences, so a request that went plain on one bad round sees only
   the acceptance seen so far; the early tries keep one bad round from keeping it plain, while a
-  side that keeps losing costs a try in ``recheck`` rounds.
+  side that keeps losing costs a try in ``recheck`` rounds. Plain rounds themselves are re-tried
+  only every ``recheck`` rounds once their time at that batch size is measured: their tokens
+  are certain, so a try could only refresh the time.
 
 Knows timings and acceptance numbers only; nothing about models, rules or caches.
 """
@@ -179,7 +181,7 @@ class AdaptiveDraftLength:
             rates = (bsz + gained) / seconds  # [G+1] tokens per second
         else:
             rates = _drain_rates(a, remaining) / seconds  # [G+1] the last row's share done per second
-        choice = self._explore(_bucket(bsz), rates) if self.calibrate else int(rates.argmax())
+        choice = self._explore(bsz, rates) if self.calibrate else int(rates.argmax())
         self.last_choice = choice
         self._last = ((bsz, choice), raw)
         return choice
@@ -204,28 +206,31 @@ class AdaptiveDraftLength:
             return measured
         return model * self.corrections.get((_bucket(bsz), cap > 0), 1.0)
 
-    def _explore(self, bucket: int, rates: Tensor) -> int:
+    def _explore(self, bsz: int, rates: Tensor) -> int:
         """The best cap by ``rates`` [G+1], or the other side's best when a try of it is due;
         settles last round's try first (won: tries as often as ``min_recheck``; lost: half as
-        often, down to one in ``recheck``)."""
-        best = int(rates.argmax())
+        often, down to one in ``recheck``). A plain round at a batch size whose plain time is
+        measured teaches nothing new (its tokens are certain), so plain is re-tried there only
+        every ``recheck`` rounds."""
+        bucket, best = _bucket(bsz), int(rates.argmax())
         if self._probe is not None and self._probe[0] == bucket:
             won = self._probe[1] == (best > 0)
             wait = self.backoff.get(self._probe, self.min_recheck)
             self.backoff[self._probe] = self.min_recheck if won else min(2 * wait, self.recheck)
         self._probe = None
         side = not best > 0
-        if not self._recheck_due(bucket, side):
+        known = not side and (bsz, 0) in self.round_times
+        if not self._recheck_due(bucket, side, self.recheck if known else None):
             return best
         self._probe = (bucket, side)
         return 1 + int(rates[1:].argmax()) if side else 0
 
-    def _recheck_due(self, bucket: int, side: bool) -> bool:
+    def _recheck_due(self, bucket: int, side: bool, wait: int | None = None) -> bool:
         """Whether the side not chosen is due a try: never tried (after one measured round of
-        this bucket), or not tried for its back-off's rounds of it."""
+        this bucket), or not tried for ``wait`` (default: its back-off's) rounds of it."""
         now = self.bucket_rounds.get(bucket, 0)
         last = self.tried.get((bucket, side))
-        wait = self.backoff.get((bucket, side), self.min_recheck)
+        wait = wait if wait is not None else self.backoff.get((bucket, side), self.min_recheck)
         return now >= 1 if last is None else now - last >= wait
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
