@@ -54,10 +54,7 @@ from components.engine.engine import (
     sync_device,
 )
 from components.engine.rules import RULES, RoundRandomness, Rule, get_rule
-from components.engine.schedule import (
-    AdaptiveDraftLength,
-    FixedDraftLength,
-)
+from components.engine.schedule import DraftLengthPolicy, FixedDraftLength
 from components.engine.stats import EngineStats
 from components.spec.sampling import SamplingParams
 
@@ -138,7 +135,7 @@ class BatchEngine(DraftStep):
     def __init__(self, target: Any, drafter: EngineDrafter | None = None, num_drafts: int | None = None,
                  loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
                  max_batch_size: int = 16, compact_at: float = 0.5,
-                 draft_length: FixedDraftLength | AdaptiveDraftLength | None = None):
+                 draft_length: DraftLengthPolicy | None = None):
         """``drafter=None``: every request decodes plainly. ``compact_at``: the fraction of the
         ragged cache's width that compaction would free, above which it is compacted after a
         round. ``draft_length``: the per-round cap on drafts (default fixed γ;

@@ -67,7 +67,7 @@ class DraftStep:
     @property
     def _per_row(self) -> bool:
         """Rows' survival calibrated by their own record: when the policy calibrates at all."""
-        return bool(getattr(self.draft_length, "calibrate", False))
+        return bool(self.draft_length.calibrate)
 
     def _count_row_hits(self) -> None:
         """Each row that drafted last round adds what its confidences predicted and what it got
@@ -122,15 +122,20 @@ class DraftStep:
         if isinstance(self.draft_length, FixedDraftLength):
             return self.max_drafts
         fallback = self.draft_length.empirical_survival(self.max_drafts)
-        # a row without a fresh estimate (after a plain round): the acceptance seen over all
-        # rows, scaled by this row's own record
-        survival = torch.stack([_fill(r.survival, fallback) if r.survival is not None or not self._per_row
-                                else _row_calibrated(fallback, r.hits) for r in rows])  # [B', max_drafts]
+        survival = torch.stack([self._row_estimate(r, fallback) for r in rows])  # [B', max_drafts]
         # no request waiting: the batch is draining, and its time is that of its last row
         remaining = None if self.waiting else [r.remaining for r in rows]
         cap = self.draft_length.cap(survival, self.max_drafts, remaining=remaining)
         self.caps.append(cap)
         return cap
+
+    def _row_estimate(self, run: _Running, fallback: Tensor) -> Tensor:  # → [max_drafts] float64
+        """A row's survival: its latest confidences (already scaled by its record), extended
+        past their length by the acceptance seen over all rows; without fresh confidences
+        (after a plain round), that acceptance alone, scaled by the row's own record."""
+        if run.survival is None and self._per_row:
+            return _row_calibrated(fallback, run.hits)
+        return _fill(run.survival, fallback)
 
     # provided by BatchEngine
     batch: Any

@@ -56,16 +56,23 @@ class RoundTimes:
     def max_cap(self) -> int:
         return self.seconds.shape[1] - 1
 
-    def __call__(self, batch_size: int, cap: int) -> float:
-        col = self.seconds[:, min(max(int(cap), 0), self.max_cap)]
+    def row(self, batch_size: int, max_cap: int | None = None) -> Tensor:
+        """[max_cap + 1] float64: the seconds of every cap 0..max_cap (default: the profiled
+        ones) at ``batch_size``, interpolated in B; caps above the profile's are held at its last."""
         sizes, b = self.batch_sizes, float(batch_size)
         if b >= sizes[-1]:
-            return float(col[-1]) * b / sizes[-1]
-        if b <= sizes[0]:
-            return float(col[0])
-        hi = next(i for i, s in enumerate(sizes) if s >= b)
-        t = (b - sizes[hi - 1]) / (sizes[hi] - sizes[hi - 1])
-        return float(col[hi - 1] + t * (col[hi] - col[hi - 1]))
+            row = self.seconds[-1] * (b / sizes[-1])
+        elif b <= sizes[0]:
+            row = self.seconds[0]
+        else:
+            hi = next(i for i, s in enumerate(sizes) if s >= b)
+            t = (b - sizes[hi - 1]) / (sizes[hi] - sizes[hi - 1])
+            row = self.seconds[hi - 1] + t * (self.seconds[hi] - self.seconds[hi - 1])
+        caps = torch.arange((self.max_cap if max_cap is None else int(max_cap)) + 1).clamp_max(self.max_cap)
+        return row[caps]
+
+    def __call__(self, batch_size: int, cap: int) -> float:
+        return float(self.row(batch_size)[min(max(int(cap), 0), self.max_cap)])
 
     def to_dict(self) -> dict[str, Any]:
         return {"batch_sizes": list(self.batch_sizes), "seconds": self.seconds.tolist()}
@@ -83,6 +90,8 @@ class _PinnedCap:
 
     def empirical_survival(self, gamma: int) -> Tensor:
         return torch.ones(gamma, dtype=torch.float64)
+
+    calibrate = False
 
     def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int:
         return min(self.value, max_drafts)

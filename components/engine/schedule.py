@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -97,8 +97,30 @@ def profile_forward_time(target: Any, sizes: tuple[int, ...] = DEFAULT_PROFILE_S
     return ProfileTable(list(sizes), monotone)
 
 
+class DraftLengthPolicy(Protocol):
+    """What the batch engine asks of a draft-length policy, once per round: ``cap`` before
+    drafting (survival [B, ≥max_drafts] per speculating row; ``remaining`` tokens per row when
+    nothing waits to join), ``observe`` after the round; ``empirical_survival`` for rows
+    without fresh confidences; ``calibrate``: whether rows' estimates should be scaled by their
+    own record of accepted against predicted drafts."""
+
+    calibrate: bool
+
+    def empirical_survival(self, gamma: int) -> Tensor: ...
+
+    def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int: ...
+
+    def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
+                round_seconds: float, verify_tokens: int) -> None: ...
+
+
 class FixedDraftLength:
     """Always the engine's γ (times its DLoop stages)."""
+
+    calibrate = False  # no per-request survival estimates wanted
+
+    def empirical_survival(self, gamma: int) -> Tensor:  # [γ] unused: the cap is always γ
+        return torch.ones(gamma, dtype=torch.float64)
 
     def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int:  # survival [B, γ]
         return max_drafts
@@ -174,8 +196,7 @@ class AdaptiveDraftLength:
         bsz = a.shape[0]
         seconds = self._round_model(bsz, max_drafts)
         if self.calibrate:
-            seconds = torch.tensor([self._seconds(bsz, g, float(seconds[g])) for g in range(max_drafts + 1)],
-                                   dtype=torch.float64)
+            seconds = self._seconds(bsz, seconds)
         if remaining is None:
             gained = torch.cat([torch.zeros(1, dtype=torch.float64), a.sum(dim=0).cumsum(dim=0)])  # [G+1]
             rates = (bsz + gained) / seconds  # [G+1] tokens per second
@@ -190,7 +211,7 @@ class AdaptiveDraftLength:
         """[max_drafts + 1] the model's round seconds at batch ``bsz`` per cap: the profiled
         round times when given, else s·T(B·(G+1)) + o + [G > 0]·t_draft."""
         if self.round_time is not None:
-            return torch.tensor([self.round_time(bsz, g) for g in range(max_drafts + 1)], dtype=torch.float64)
+            return self.round_time.row(bsz, max_drafts)
         caps = torch.arange(max_drafts + 1, dtype=torch.float64)
         return self._model_seconds(self.forward_time(bsz * (caps + 1)), (caps > 0).double())
 
@@ -198,13 +219,19 @@ class AdaptiveDraftLength:
         """The model's round seconds: s·T(n) + o + [drafting]·t_draft (floats or tensors)."""
         return self.scale * forward + self.overhead + drafting * self.draft_seconds
 
-    def _seconds(self, bsz: int, cap: int, model: float) -> float:
-        """A round's seconds at this batch size and cap: as measured, if it was played; else the
-        model's, times its side's (plain or drafting) measured/model ratio in this bucket."""
-        measured = self.round_times.get((bsz, cap))
-        if measured is not None:
-            return measured
-        return model * self.corrections.get((_bucket(bsz), cap > 0), 1.0)
+    def _seconds(self, bsz: int, model: Tensor) -> Tensor:
+        """model [G+1] → [G+1] a round's seconds at this batch size per cap: as measured, if it
+        was played; else the model's, times its side's (plain or drafting) measured/model ratio
+        in this bucket."""
+        bucket = _bucket(bsz)
+        seconds = model.clone()
+        seconds[0] *= self.corrections.get((bucket, False), 1.0)
+        seconds[1:] *= self.corrections.get((bucket, True), 1.0)
+        for g in range(seconds.shape[0]):
+            measured = self.round_times.get((bsz, g))
+            if measured is not None:
+                seconds[g] = measured
+        return seconds
 
     def _explore(self, bsz: int, rates: Tensor) -> int:
         """The best cap by ``rates`` [G+1], or the other side's best when a try of it is due;

@@ -209,6 +209,8 @@ def test_consume_many_equals_consume_per_row(tiny_target):
 class ScriptedCap:
     """A draft-length policy that plays a fixed sequence of caps (then repeats it)."""
 
+    calibrate = False
+
     def __init__(self, caps):
         self.caps, self.i = list(caps), 0
 

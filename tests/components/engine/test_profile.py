@@ -29,6 +29,7 @@ def test_round_times_interpolate_in_batch_size_and_hold_the_last_cap():
     assert table(2, 0) == pytest.approx(2.0)  # linear between profiled sizes
     assert table(8, 1) == pytest.approx(16.0)  # above the largest: in proportion to B
     assert table(4, 5) == 8.0  # caps above the profiled ones: held
+    assert table.row(2, 3).tolist() == pytest.approx([2.0, 4.0, 4.0, 4.0])  # every cap at once
     assert RoundTimes.from_dict(table.to_dict())(2, 1) == pytest.approx(table(2, 1))
     with pytest.raises(ValueError, match="batch sizes"):
         RoundTimes([4, 1], torch.ones(2, 2))
