@@ -288,7 +288,7 @@ class BatchEngine(DraftStep):
     def _accept(self, logits: Tensor, hidden: Tensor | None, forward_seconds: float) -> list[StepOutput]:
         rows, outs, finished = self.batch.rows, [], []
         t0 = time.perf_counter()
-        verdicts = [self._verify_row(run, logits[b:b + 1]) for b, run in enumerate(rows)]
+        verdicts = self._verdicts(logits)
         keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
         for b, (a, _) in enumerate(verdicts):
             keep[b, :a + 1] = True
@@ -310,6 +310,29 @@ class BatchEngine(DraftStep):
         if self.batch.cache is not None and self.batch.cache.reclaimable() > self.compact_at:
             self.batch.cache.compact()
         return outs
+
+    def _verdicts(self, logits: Tensor) -> list[tuple[int, Tensor]]:
+        """logits [B, G+1, V] → per row (accepted drafts, next token [1]): rows whose rule
+        verifies many at once (``Rule.verify_rows``: no per-request randomness), one call per
+        such rule; the others one by one, each with its own randomness."""
+        rows, dev = self.batch.rows, logits.device
+        verdicts: list[tuple[int, Tensor] | None] = [None] * len(rows)
+        groups: dict[Rule, list[int]] = {}
+        for b, run in enumerate(rows):
+            if run.rule.verifies_rows:
+                groups.setdefault(run.rule, []).append(b)
+            else:
+                verdicts[b] = self._verify_row(run, logits[b:b + 1])
+        empty = torch.zeros(0, dtype=torch.long, device=dev)
+        for rule, idx in groups.items():
+            mine = logits if len(idx) == len(rows) else logits[torch.tensor(idx, device=dev)]
+            drafts = torch.nn.utils.rnn.pad_sequence(  # [R, G'] (padding never read past a row's length)
+                [rows[b].drafts[0] if rows[b].drafts is not None else empty for b in idx], batch_first=True)
+            lens = torch.tensor([_num_drafts(rows[b]) for b in idx], dtype=torch.long, device=dev)
+            res = rule.verify_rows(drafts, lens, mine[:, :drafts.shape[1] + 1])
+            for j, (b, a) in enumerate(zip(idx, res.num_accepted.tolist())):
+                verdicts[b] = (a, res.next_token[j:j + 1])
+        return verdicts  # type: ignore[return-value]
 
     def _verify_row(self, run: _Running, logits: Tensor) -> tuple[int, Tensor]:
         """Row logits [1, G+1, V] → (accepted drafts, next token [1])."""

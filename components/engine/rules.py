@@ -55,6 +55,7 @@ class Rule:
     """Base strategy: sampled target, drafter's own drafts (subclasses override what differs)."""
 
     name = ""
+    verifies_rows = False  # True: ``verify_rows`` takes many requests at once
 
     def draft_sampling(self, rnd: RoundRandomness) -> SamplingParams:
         """The settings the drafter proposes with."""
@@ -75,9 +76,17 @@ class Rule:
         """drafts [B, γ], target logits [B, γ+1, V] at positions [B, γ+1] → VerifyResult."""
         raise NotImplementedError
 
+    def verify_rows(self, drafts: Tensor, draft_lens: Tensor, logits: Tensor) -> VerifyResult:
+        """Many requests' rows in one call (rules with ``verifies_rows``: no per-request
+        randomness): drafts [R, G] (row r's first draft_lens[r] real; 0 = a plain round),
+        logits [R, G+1, V] → VerifyResult, the next token being the target's own choice after
+        the accepted prefix. Other rules verify each request alone (``verify``, ``sample_target``)."""
+        raise NotImplementedError(f"rule '{self.name}' verifies one request at a time")
+
 
 class GreedyRule(Rule):
     name = "greedy"
+    verifies_rows = True
 
     def draft_sampling(self, rnd: RoundRandomness) -> SamplingParams:
         return GREEDY
@@ -88,6 +97,9 @@ class GreedyRule(Rule):
     def verify(self, drafts: Tensor, logits: Tensor, proposal: Proposal, positions: Tensor,
                rnd: RoundRandomness) -> VerifyResult:
         return verify_greedy(drafts, _full_lens(drafts), logits)
+
+    def verify_rows(self, drafts: Tensor, draft_lens: Tensor, logits: Tensor) -> VerifyResult:
+        return verify_greedy(drafts, draft_lens, logits)
 
 
 class GumbelRule(Rule):

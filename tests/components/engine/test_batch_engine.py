@@ -74,6 +74,21 @@ def test_batch_sampling_matches_single_request_engine(tiny_target, rule):
     assert [r.tokens for r in got] == expected
 
 
+def test_greedy_rows_verified_together_beside_sampled_rows(tiny_target, greedy_refs):
+    """Greedy rows (verified in one call per round) share the batch with sampled rows (verified
+    one by one with their own randomness): each gets what it would get alone."""
+    drafter = random_drafter(tiny_target, "dspark")
+    sampling = SamplingParams(temperature=0.9)
+    greedy, sampled = requests(tiny_target), requests(tiny_target, rule="speculative", sampling=sampling)
+    for i, r in enumerate(sampled):
+        r.seed = 7 + i
+    single = SpeculativeEngine(tiny_target, drafter, rule="speculative")
+    expected = [single.generate(r.prompt_ids, r.max_new_tokens, sampling, r.seed).tokens for r in sampled]
+    mixed = [r for pair in zip(greedy, sampled) for r in pair]
+    got = [r.tokens for r in BatchEngine(tiny_target, drafter, max_batch_size=4).generate(mixed)]
+    assert got[0::2] == greedy_refs and got[1::2] == expected
+
+
 def test_plain_sampling_rows_match_target_only(tiny_target):
     sampling = SamplingParams(temperature=1.0, top_k=50)
     reqs = requests(tiny_target, rule="speculative", sampling=sampling)
