@@ -70,6 +70,9 @@ class TargetConfig:
     trust_remote_code: bool = False
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # auto: on CPU, SDPA with grouped KV heads read in place (components.target.attention), else
+    # as transformers loads the model; or any transformers attention implementation (sdpa, eager)
+    attention: str = "auto"
     cache_dir: str = "~/.cache/specline/targets"  # where built tiny targets are cached
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
 

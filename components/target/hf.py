@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from components.config import EMBEDDED_TARGET, TargetConfig
+from components.target.attention import choose_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -207,4 +208,9 @@ def load_target(cfg: TargetConfig, progress: bool = True) -> Target:
     except (OSError, ValueError) as err:
         raise TargetError(f"target.name_or_path: cannot load '{path}': {str(err).splitlines()[0]}") from None
     check_tokenizer_matches(model, tokenizer, path)
+    try:
+        choose_attention(model, cfg.attention, device)
+    except (ValueError, ImportError) as err:
+        raise TargetError(f"target.attention: cannot use '{cfg.attention}' for {path}: "
+                          f"{str(err).splitlines()[0]} (use auto, sdpa or eager)") from None
     return Target(model.to(device), tokenizer, path)
