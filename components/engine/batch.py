@@ -3,9 +3,9 @@ leave between rounds, each with its own rule, sampling parameters, seed and stop
 
 One ``step()`` is one round for the whole running batch::
 
-    admit    -- waiting requests (up to ``max_batch_size``) are prefilled one by one (batch 1,
-                their own prompt length) and their caches appended to the batch's ragged cache;
-                the prefill's first token is emitted at once;
+    admit    -- waiting requests (up to ``max_batch_size``) are prefilled together, in one
+                right-padded target pass, and their rows appended to the batch's ragged cache;
+                each prefill's first token is emitted at once (``batch_admit.py``);
     draft    -- per running request, the drafter proposes γ_b tokens on that request's own
                 drafter state (DLoop stages and carryover as in ``SpeculativeEngine.draft``);
                 γ_b = 0 for plain-decoding requests;
@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal
+from components.engine.batch_admit import AdmitStep
 from components.engine.batch_cache import RaggedCache
 from components.engine.batch_draft import DraftStep
 from components.engine.engine import (
@@ -50,10 +51,9 @@ from components.engine.engine import (
     GenerationResult,
     Sequence,
     SpeculativeEngine,
-    new_randomness,
     sync_device,
 )
-from components.engine.rules import RULES, RoundRandomness, Rule, get_rule
+from components.engine.rules import RULES, RoundRandomness, Rule
 from components.engine.schedule import DraftLengthPolicy, FixedDraftLength
 from components.engine.stats import EngineStats
 from components.spec.sampling import SamplingParams
@@ -127,7 +127,7 @@ class _Batch:
     cache: RaggedCache | None = None
 
 
-class BatchEngine(DraftStep):
+class BatchEngine(AdmitStep, DraftStep):
     """Continuous-batching speculative decoding of ``drafter`` (or plain decoding) on ``target``."""
 
     defer_plain_updates = True  # plain rounds of speculating rows defer the drafter's update (_consume)
@@ -231,40 +231,6 @@ class BatchEngine(DraftStep):
         self._remove(gone)
         self._cancelled.clear()
         return outs
-
-    def _admit(self) -> list[StepOutput]:
-        outs = []
-        while self.waiting and len(self.batch.rows) < self.max_batch_size:
-            run, cache = self._prefill(self.waiting.popleft())
-            first = run.seq.new_tokens
-            cut, reason = _check_end(run.request, first, 0)
-            if reason:
-                run.seq.new_tokens = cut
-                outs.append(StepOutput(run.request.request_id, run.seq.new_tokens, True, reason,
-                                       self._finish(run, reason)))
-                continue
-            outs.append(StepOutput(run.request.request_id, list(first)))
-            self.batch.rows.append(run)
-            if self.batch.cache is None:
-                self.batch.cache = cache
-            else:
-                self.batch.cache.concat(cache)
-        return outs
-
-    def _prefill(self, req: Request) -> tuple[_Running, RaggedCache]:
-        dev = self.target.device
-        clock = time.perf_counter()
-        rule, rnd = get_rule(req.rule), new_randomness(req.sampling, req.seed, dev)
-        prompt = torch.tensor([req.prompt_ids], dtype=torch.long, device=dev)
-        speculate = req.speculate and self.drafter is not None
-        out = self.target.forward(prompt, layer_ids=self.layer_ids if speculate else (), use_cache=True)
-        p = prompt.shape[1]
-        first = rule.sample_target(out.logits[:, -1:], torch.tensor([[p]], device=dev), rnd)[:, 0]
-        state = self.drafter.consume(self.drafter.init_state(1), prompt, out.hidden) if speculate else None
-        sync_device(dev)
-        res = GenerationResult([], target_forwards=1, prefill_seconds=time.perf_counter() - clock)
-        seq = Sequence(None, state, first, p + 1, [int(first)])
-        return _Running(req, rule, rnd, seq, res, clock), RaggedCache.single(out.cache)
 
     def _verify_forward(self) -> tuple[Tensor, Tensor | None, float]:
         """One target forward over every row's [x_{n-1}, drafts, padding] → logits [B, G+1, V],

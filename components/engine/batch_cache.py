@@ -15,7 +15,7 @@ row's valid slots to the right (a copy, no model call); ``trim`` drops columns t
 Compaction narrows the cache only to the longest row's count of valid slots, so a batch whose
 holes are mostly left padding gains nothing from it (``reclaimable``).
 
-Requests join (``concat``, after their own batch-1 prefill) and leave (``select``) between
+Requests join (``concat``, after their prefill) and leave (``select``) between
 rounds; leaving frees the row. This module knows HF's ``DynamicCache`` layer tensors
 (``layers[i].keys/values``, [B, h_kv, L, d]) and nothing about drafters, rules or requests.
 """
