@@ -20,7 +20,8 @@ measured back to back in the same run:
 
 ``--drafter``: a trained drafter checkpoint (e.g. ``<run_dir>/train/drafter``); without it only
 prompt lookup speculates. Every output is checked equal to plain greedy decoding (lossless).
-Printed: tokens/s, τ, mean cap (of the last run), and the ratio to plain at the same concurrency;
+Printed: tokens/s, τ, mean cap and the share of the time spent prefilling (of the last run), and
+the ratio to plain at the same concurrency;
 with ``--reps N`` every method runs N times, interleaved, and medians are shown. Nothing is
 asserted about time.
 """
@@ -71,8 +72,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def run(target: Any, drafter: Any, prompts: list[list[int]], args: argparse.Namespace, conc: int,
-        policy: Any = None) -> tuple[float, list[list[int]], float, float]:
-    """(seconds, outputs, τ, mean cap) of all requests through one engine at concurrency ``conc``."""
+        policy: Any = None) -> tuple[float, list[list[int]], float, float, float]:
+    """(seconds, outputs, τ, mean cap, share of the seconds spent prefilling) of all requests
+    through one engine at concurrency ``conc``."""
     engine = BatchEngine(target, drafter, max_batch_size=conc, draft_length=policy)
     reqs = [Request(p, args.new_tokens) for p in prompts]
     t0 = time.perf_counter()
@@ -81,7 +83,8 @@ def run(target: Any, drafter: Any, prompts: list[list[int]], args: argparse.Name
     accepted = [a for r in results for a in r.accepted]
     tau = 1 + sum(accepted) / len(accepted) if accepted else 1.0
     cap = statistics.mean(engine.caps) if engine.caps else float(engine.max_drafts)
-    return seconds, [r.tokens for r in results], tau, cap
+    prefill = sum(r.prefill_seconds for r in results) / seconds
+    return seconds, [r.tokens for r in results], tau, cap, prefill
 
 
 def profile_policies(target: Any, drafters: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -121,28 +124,29 @@ def main() -> None:
     print(f"target {target.num_layers} layers, hidden {target.hidden_size}; requests x {args.new_tokens} new "
           f"tokens, greedy, {torch.get_num_threads()} thread(s), {args.device}")
     policies = profile_policies(target, drafters, args)
-    print(f"{'conc':>4} {'reqs':>4} {'method':<24}{'tok/s':>9}{'tau':>7}{'cap':>6}{'vs plain':>10}")
+    print(f"{'conc':>4} {'reqs':>4} {'method':<24}{'tok/s':>9}{'tau':>7}{'cap':>6}{'prefill':>10}{'vs plain':>10}")
     methods = [("plain", None, "")] + [(name, d, mode) for name, d in drafters.items() for mode in ("fixed", "adaptive")]
     for conc in levels:
         seconds: dict[str, list[float]] = {}
-        shown: dict[str, tuple[float, float]] = {}
+        shown: dict[str, tuple[float, float, float]] = {}
         base_out = None
         for _ in range(args.reps):  # methods interleaved, so drift on a busy host hits all alike
             for name, drafter, mode in methods:
                 policy = policies[name]() if mode == "adaptive" else None
-                secs, out, tau, cap = run(target, drafter, prompts[:counts[conc]], args, conc, policy)
+                secs, out, tau, cap, prefill = run(target, drafter, prompts[:counts[conc]], args, conc, policy)
                 base_out = out if base_out is None else base_out
                 if out != base_out:
                     raise SystemExit(f"{name} {mode} at concurrency {conc}: output differs from plain greedy")
                 label = f"{name} {mode}".strip()
                 seconds.setdefault(label, []).append(secs)
-                shown[label] = (tau, cap if drafter is not None else 0.0)
+                shown[label] = (tau, cap if drafter is not None else 0.0, prefill)
         total = sum(len(o) for o in base_out)
         base_s = statistics.median(seconds["plain"])
         for label, secs in seconds.items():
             med = statistics.median(secs)
-            tau, cap = shown[label]
-            print(f"{conc:>4} {counts[conc]:>4} {label:<24}{total / med:9.1f}{tau:7.2f}{cap:6.1f}{base_s / med:9.2f}x")
+            tau, cap, prefill = shown[label]
+            print(f"{conc:>4} {counts[conc]:>4} {label:<24}{total / med:9.1f}{tau:7.2f}{cap:6.1f}"
+                  f"{100 * prefill:9.0f}%{base_s / med:9.2f}x")
 
 
 if __name__ == "__main__":
