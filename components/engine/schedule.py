@@ -20,10 +20,17 @@ plain decoding pays it once per token.
 
 Draining (``remaining`` given: no request waits to join the batch) the batch's time is that of
 its row to finish last, not its tokens per second: plain rounds take every row forward by one
-token and finish them together, while speculative rounds finish rows unevenly and can leave a
-slow row alone for many cheap but nearly empty rounds. So the policy then maximises, per
-second, the smallest share of its remaining tokens a row is expected to get done this round,
-min_b E_b[tokens](G) / left_b. At batch 1 it is the same choice as tokens per second.
+token and finish them together, while speculative rounds finish rows unevenly; the rows that
+finish early leave, and the rounds after them are cheaper. So the policy then minimises the
+expected time to finish every row if the cap stayed G: row b needs left_b / E_b[tokens](G)
+rounds, and between two rows' expected ends the rows still running pay time(rows left, G)::
+
+    drain(G) = Σ_i (r_(i) - r_(i-1)) · time(B - i + 1, G)      r_(1) ≤ … ≤ r_(B): rows' rounds
+
+(drafts past a row's last token count for nothing). At batch 1 it is the same choice as tokens
+per second. Maximising the share of its work the slowest row gets done per second instead, as
+this policy first did, ignores that the batch shrinks: on a closed batch of 16 it held 16 rows
+at cap 3 for 9 rounds where γ = 7 emptied 11 of them in 4 (1.63 s against 1.39 s).
 
 Better than T(n) and those means, where it can be afforded: ``round_time``, the engine's whole
 round profiled per (B, G) before serving (``profile.profile_round_times``); time(G) is then
@@ -47,8 +54,8 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   A plain round yields no confidences, so a request that went plain on one bad round sees only
   the acceptance seen so far; the early tries keep one bad round from keeping it plain, while a
   side that keeps losing costs a try in ``recheck`` rounds. Plain rounds themselves are re-tried
-  only every ``recheck`` rounds once their time at that batch size is measured: their tokens
-  are certain, so a try could only refresh the time.
+  only every ``recheck`` rounds once their time at that batch size is measured or profiled:
+  their tokens are certain, so a try could only refresh the time.
 
 Knows timings and acceptance numbers only; nothing about models, rules or caches.
 """
@@ -141,6 +148,10 @@ class AdaptiveDraftLength:
     scale: float = 1.0  # measured forward seconds / T(n) (running mean)
     overhead: float = 0.0  # seconds per round outside drafting and the target forward (running mean)
     ema: float = 0.1
+    # acceptance per draft before any is seen: optimistic, so a fresh policy drafts at once and
+    # learns (one round at a loss for a poor drafter, after which two pseudo-rounds are outweighed)
+    # instead of ramping up from plain rounds while it learns (½: a closed batch of 16 began plain)
+    first_guess: float = 0.8
     accept_counts: list[float] = field(default_factory=list)  # per position: accepted
     reach_counts: list[float] = field(default_factory=list)  # per position: drafted and reached
     last_choice: int = -1
@@ -167,10 +178,10 @@ class AdaptiveDraftLength:
     def empirical_survival(self, gamma: int, prior: float = 2.0) -> Tensor:  # [γ]
         """P(first k drafts accepted) from the acceptance seen so far: per position k,
         α_k = (accepted_k + m·α_{k-1}) / (reached_k + m), m = ``prior`` pseudo-rounds, α_0's prior
-        ½. A position never reached (capped below it so far) inherits the one before, so a
+        ``first_guess``. A position never reached (capped below it so far) inherits the one before, so a
         drafter accepting well at the first positions is expected to go on doing so, and caps
         above those played so far stay worth trying."""
-        alphas, prev = [], 0.5
+        alphas, prev = [], self.first_guess
         for k in range(gamma):
             acc, reach = (self.accept_counts[k], self.reach_counts[k]) if k < len(self.reach_counts) else (0.0, 0.0)
             prev = (acc + prior * prev) / (reach + prior)
@@ -189,23 +200,37 @@ class AdaptiveDraftLength:
 
     def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int:
         """survival [B, ≥max_drafts] → the cap G in 0..max_drafts with the best tokens/second;
-        with ``remaining`` (tokens left per row, given when no request waits to join), the best
-        progress of the row that will finish last instead (module docstring: draining)."""
+        with ``remaining`` (tokens left per row, given when no request waits to join), the
+        shortest expected time to finish every row instead (module docstring: draining)."""
         raw = survival[:, :max_drafts].double().clamp(0, 1).cummin(dim=-1).values
         a = self.calibrated(raw)
         bsz = a.shape[0]
-        seconds = self._round_model(bsz, max_drafts)
-        if self.calibrate:
-            seconds = self._seconds(bsz, seconds)
         if remaining is None:
             gained = torch.cat([torch.zeros(1, dtype=torch.float64), a.sum(dim=0).cumsum(dim=0)])  # [G+1]
-            rates = (bsz + gained) / seconds  # [G+1] tokens per second
+            rates = (bsz + gained) / self._priced(bsz, max_drafts)  # [G+1] tokens per second
         else:
-            rates = _drain_rates(a, remaining) / seconds  # [G+1] the last row's share done per second
+            rates = 1.0 / self._drain_seconds(a, remaining, max_drafts)  # [G+1] batches finished per second
         choice = self._explore(bsz, rates) if self.calibrate else int(rates.argmax())
         self.last_choice = choice
         self._last = ((bsz, choice), raw)
         return choice
+
+    def _priced(self, bsz: int, max_drafts: int) -> Tensor:
+        """[max_drafts + 1] a round's seconds at batch ``bsz`` per cap, as the policy believes
+        them: the model's, checked against the clock when calibrating (``_seconds``)."""
+        seconds = self._round_model(bsz, max_drafts)
+        return self._seconds(bsz, seconds) if self.calibrate else seconds
+
+    def _drain_seconds(self, survival: Tensor, remaining: list[int], max_drafts: int) -> Tensor:
+        """survival [B, G], tokens left per row → [G+1] expected seconds until every row is
+        done if the cap stayed G (module docstring: draining)."""
+        left = torch.tensor(remaining, dtype=torch.float64).clamp_min(1)  # [B]
+        rounds = left[:, None] / _row_tokens(survival, left)  # [B, G+1]
+        ordered = rounds.sort(dim=0).values  # each column: rows' expected ends, soonest first
+        steps = torch.diff(ordered, dim=0, prepend=torch.zeros(1, ordered.shape[1], dtype=torch.float64))
+        bsz = survival.shape[0]
+        running = torch.stack([self._priced(b, max_drafts) for b in range(bsz, 0, -1)])  # [B, G+1]
+        return (steps * running).sum(dim=0)
 
     def _round_model(self, bsz: int, max_drafts: int) -> Tensor:
         """[max_drafts + 1] the model's round seconds at batch ``bsz`` per cap: the profiled
@@ -237,8 +262,8 @@ class AdaptiveDraftLength:
         """The best cap by ``rates`` [G+1], or the other side's best when a try of it is due;
         settles last round's try first (won: tries as often as ``min_recheck``; lost: half as
         often, down to one in ``recheck``). A plain round at a batch size whose plain time is
-        measured teaches nothing new (its tokens are certain), so plain is re-tried there only
-        every ``recheck`` rounds."""
+        measured (or profiled: ``round_time``) teaches nothing new (its tokens are certain), so
+        plain is re-tried there only every ``recheck`` rounds."""
         bucket, best = _bucket(bsz), int(rates.argmax())
         if self._probe is not None and self._probe[0] == bucket:
             won = self._probe[1] == (best > 0)
@@ -246,7 +271,9 @@ class AdaptiveDraftLength:
             self.backoff[self._probe] = self.min_recheck if won else min(2 * wait, self.recheck)
         self._probe = None
         side = not best > 0
-        known = not side and (bsz, 0) in self.round_times
+        known = not side and (self.round_time is not None or (bsz, 0) in self.round_times)
+        if known:
+            self.tried.setdefault((bucket, side), 0)  # no early try: nothing to learn from one
         if not self._recheck_due(bucket, side, self.recheck if known else None):
             return best
         self._probe = (bucket, side)
@@ -329,17 +356,13 @@ class AdaptiveDraftLength:
         return new if replace else (1 - self.ema) * old + self.ema * new
 
 
-def _drain_rates(survival: Tensor, remaining: list[int]) -> Tensor:
-    """survival [B, γ], tokens left per row → [γ+1]: per cap G, min over rows of the expected
-    tokens this round (1 + Σ_{k ≤ min(G, left-1)} a_k) / tokens left: the fraction of its work
-    that the row finishing last gets done in one round."""
-    left = torch.tensor(remaining, dtype=torch.float64).clamp_min(1)  # [B]
+def _row_tokens(survival: Tensor, left: Tensor) -> Tensor:
+    """survival [B, γ], tokens left per row [B] → [B, γ+1]: per cap G, each row's expected
+    tokens in one round, 1 + Σ_{k ≤ min(G, left-1)} a_k (drafts past its end are cut)."""
     gamma = survival.shape[1]
     ks = torch.arange(1, gamma + 1, dtype=torch.float64)  # [γ]
-    usable = survival * (ks[None, :] <= (left[:, None] - 1))  # drafts past the end are cut
-    tokens = torch.cat([torch.ones(survival.shape[0], 1, dtype=torch.float64),
-                        1 + usable.cumsum(dim=1)], dim=1)  # [B, γ+1]
-    return (tokens / left[:, None]).min(dim=0).values
+    usable = survival * (ks[None, :] <= (left[:, None] - 1))
+    return torch.cat([torch.ones(survival.shape[0], 1, dtype=torch.float64), 1 + usable.cumsum(dim=1)], dim=1)
 
 
 def _bucket(batch_size: int) -> int:

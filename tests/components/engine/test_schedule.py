@@ -95,6 +95,26 @@ def test_fixed_draft_length_always_drafts_the_cap():
     assert FixedDraftLength().cap(torch.ones(2, GAMMA, dtype=torch.float64), GAMMA) == GAMMA
 
 
+def test_draining_batch_counts_on_easy_rows_leaving():
+    """A closed batch of 16 with 4 hard rows: easy rows finish early at a deep cap and the rounds
+    after them are cheaper (round time grows with the rows), so the policy drafts deeper than for
+    16 hard rows, where nobody leaves early; it picks the cap of the least expected time."""
+    from components.engine.profile import RoundTimes
+
+    sizes = [1, 4, 8, 16]
+    table = RoundTimes(sizes, torch.tensor([[0.015 + 0.0025 * b * (1 + 0.25 * g) for g in range(GAMMA + 1)]
+                                            for b in sizes]))
+    easy = torch.full((GAMMA,), 0.95, dtype=torch.float64).cumprod(dim=-1)
+    hard = torch.full((GAMMA,), 0.6, dtype=torch.float64).cumprod(dim=-1)
+    mixed = torch.stack([easy] * 12 + [hard] * 4)
+    policy = AdaptiveDraftLength(round_time=table, calibrate=False)
+    chosen = policy.cap(mixed, GAMMA, remaining=[31] * 16)
+    assert chosen == int(policy._drain_seconds(mixed, [31] * 16, GAMMA).argmin())
+    all_hard = AdaptiveDraftLength(round_time=table, calibrate=False).cap(torch.stack([hard] * 16), GAMMA,
+                                                                           remaining=[31] * 16)
+    assert chosen > all_hard > 0
+
+
 def test_draining_batch_follows_the_row_that_finishes_last():
     """16 rows, 15 of them accepting well and one hardly at all, with a round at the full cap
     costing 3.5 plain rounds: for tokens per second drafting wins; for a batch that is draining
