@@ -1,7 +1,7 @@
 """Throughput of continuous batching at concurrency 1/4/16, with and without speculation.
 
     python bench/throughput.py [--drafter DIR --int8-head] [--per-slot 4 | --requests N] [--new-tokens 64
-                               --concurrency 1,4,16 --reps 3 --forward-profile]
+                               --concurrency 1,4,16 --reps 3 --profile-dir DIR --forward-profile]
 
 On the embedded target (built and cached on first use), greedy, held-out prompts: for each
 concurrency c, the first ``--per-slot`` × c of 64 drawn prompts (at least 16; or
@@ -14,8 +14,8 @@ measured back to back in the same run:
 * ``<drafter> fixed``   -- speculation with the drafter's γ every round;
 * ``<drafter> adaptive``-- the cap chosen per round from survival estimates and the engine's
   round times per (batch size, cap), profiled on this machine at start for that drafter
-  (``components.engine.profile``; ``--forward-profile``: the older target-forward curve T(n)
-  instead); 0 = plain round;
+  (``components.engine.profile``; ``--profile-dir DIR`` keeps the profiles and reuses them;
+  ``--forward-profile``: the older target-forward curve T(n) instead); 0 = plain round;
 * ``prompt_lookup fixed/adaptive`` -- the model-free n-gram drafter, likewise.
 
 ``--drafter``: a trained drafter checkpoint (e.g. ``<run_dir>/train/drafter``); without it only
@@ -46,7 +46,7 @@ from components.drafters.checkpoint import load_drafter
 from components.drafters.quantize import int8_lm_head
 from components.engine import PromptLookupDrafter
 from components.engine.batch import BatchEngine, Request
-from components.engine.profile import profile_round_times
+from components.engine.profile import profile_round_times, stored_round_times
 from components.engine.schedule import AdaptiveDraftLength, profile_forward_time
 from components.evaluation.prompts import eval_prompts
 from components.target import load_target
@@ -66,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=1, help="runs per method, interleaved; medians are shown")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--int8-head", action="store_true", help="the drafter reads out through an int8 LM head")
+    ap.add_argument("--profile-dir", default="",
+                    help="keep each drafter's round profile here and reuse it while target, drafter and settings match")
     ap.add_argument("--forward-profile", action="store_true",
                     help="adaptive rows price rounds from the target's forward curve T(n), not profiled rounds")
     return ap.parse_args()
@@ -98,8 +100,12 @@ def profile_policies(target: Any, drafters: dict[str, Any], args: argparse.Names
     makers = {}
     for name, drafter in drafters.items():
         t0 = time.perf_counter()
-        rounds = profile_round_times(target, drafter, sizes)
-        print(f"profiled round ms, {name} ({time.perf_counter() - t0:.0f} s), per batch size, caps 0..{rounds.max_cap}:")
+        if args.profile_dir:
+            rounds, reused = stored_round_times(Path(args.profile_dir) / f"{name}.json", target, drafter, sizes)
+        else:
+            rounds, reused = profile_round_times(target, drafter, sizes), False
+        how = f"stored in {args.profile_dir}" if reused else f"{time.perf_counter() - t0:.0f} s"
+        print(f"profiled round ms, {name} ({how}), per batch size, caps 0..{rounds.max_cap}:")
         for b, row in zip(rounds.batch_sizes, rounds.seconds):
             print(f"  B={b:<3}" + " ".join(f"{1000 * float(x):6.1f}" for x in row))
         makers[name] = (lambda r=rounds: AdaptiveDraftLength(round_time=r))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from components.engine.batch import BatchEngine
-from components.engine.profile import RoundTimes, profile_round_times
+from components.engine.profile import RoundTimes, profile_round_times, stored_round_times
 from components.engine.schedule import AdaptiveDraftLength
 from tests.components.engine.test_engine_greedy import random_drafter
 from tests.components.engine.test_schedule import GAMMA, run_rounds
@@ -21,6 +21,20 @@ def test_profile_covers_every_batch_size_and_cap(tiny_target):
     assert bool((table.seconds > 0).all())
     with pytest.raises(ValueError, match="needs a drafter"):
         profile_round_times(tiny_target, None)
+
+
+def test_a_stored_profile_is_reused_for_the_same_setting_only(tiny_target, tmp_path):
+    drafter = random_drafter(tiny_target, "dspark")
+    path = tmp_path / "profiles" / "dspark.json"
+    first, reused = stored_round_times(path, tiny_target, drafter, (1,), context=8, rounds=1)
+    assert not reused and path.is_file() and not list(path.parent.glob("*.tmp"))
+    again, reused = stored_round_times(path, tiny_target, drafter, (1,), context=8, rounds=1)
+    assert reused and torch.equal(again.seconds, first.seconds)
+    other, reused = stored_round_times(path, tiny_target, drafter, (1, 2), context=8, rounds=1)
+    assert not reused and other.batch_sizes == [1, 2]  # another setting: profiled again, stored
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=r"dspark.json: unreadable .*delete it"):
+        stored_round_times(path, tiny_target, drafter, (1,), context=8, rounds=1)
 
 
 def test_round_times_interpolate_in_batch_size_and_hold_the_last_cap():
