@@ -6,9 +6,9 @@
 On the embedded target (built and cached on first use), greedy, held-out prompts: for each
 concurrency c, the first ``--per-slot`` × c of 64 drawn prompts (at least 16; or
 ``--requests N`` at every c) go through a ``BatchEngine`` that keeps at most c of them in
-flight (requests join as others finish), so the load is sustained; with N = c the run is one closed batch and measures how long
-its slowest request takes (plain rows all finish together, speculative ones do not). Methods,
-measured back to back in the same run:
+flight (requests join as others finish), so the load is sustained; with N = c the run is one
+closed batch and measures how long its slowest request takes (plain rows all finish together,
+speculative ones do not). Methods, measured back to back in the same run:
 
 * ``plain``             -- no drafter: one token per request per round (the baseline);
 * ``<drafter> fixed``   -- speculation with the drafter's γ every round;

@@ -16,9 +16,8 @@ Acceptance does not enter the table (the policy gets it from confidences and wha
 but the rounds' holes and compactions depend on it: on random prompts the embedded target soon
 loops and a trained drafter follows (measured: ~4 of 7 drafts accepted at cap 7), near real
 traffic there; for a target that does not loop, the rounds are priced as rounds that draft in
-vain. ``stored_round_times`` keeps a profile in a JSON file and
-reuses it for the same target, drafter, engine settings and host threads. Knows the batch
-engine's public API only.
+vain. ``stored_round_times`` keeps a profile in a JSON file and reuses it for the same target,
+drafter, engine settings and host threads. Knows the batch engine's public API only.
 """
 
 from __future__ import annotations
@@ -93,13 +92,13 @@ class RoundTimes:
 class _PinnedCap:
     """A draft-length policy whose cap the profiler sets between rounds."""
 
+    calibrate = False
+
     def __init__(self) -> None:
         self.value = 0
 
     def empirical_survival(self, gamma: int) -> Tensor:
         return torch.ones(gamma, dtype=torch.float64)
-
-    calibrate = False
 
     def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int:
         return min(self.value, max_drafts)

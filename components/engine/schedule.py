@@ -272,8 +272,6 @@ class AdaptiveDraftLength:
         self._probe = None
         side = not best > 0
         known = not side and (self.round_time is not None or (bsz, 0) in self.round_times)
-        if known:
-            self.tried.setdefault((bucket, side), 0)  # no early try: nothing to learn from one
         if not self._recheck_due(bucket, side, self.recheck if known else None):
             return best
         self._probe = (bucket, side)
@@ -281,11 +279,14 @@ class AdaptiveDraftLength:
 
     def _recheck_due(self, bucket: int, side: bool, wait: int | None = None) -> bool:
         """Whether the side not chosen is due a try: never tried (after one measured round of
-        this bucket), or not tried for ``wait`` (default: its back-off's) rounds of it."""
+        this bucket; after ``wait`` when given, its time being known), or not tried for ``wait``
+        (default: its back-off's) rounds of it."""
         now = self.bucket_rounds.get(bucket, 0)
         last = self.tried.get((bucket, side))
+        if last is None:  # never tried: early, unless its time is known (``wait`` given)
+            return now >= (1 if wait is None else wait)
         wait = wait if wait is not None else self.backoff.get((bucket, side), self.min_recheck)
-        return now >= 1 if last is None else now - last >= wait
+        return now - last >= wait
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
                 round_seconds: float, verify_tokens: int) -> None:
