@@ -135,20 +135,22 @@ class BatchEngine(AdmitStep, DraftStep):
     def __init__(self, target: Any, drafter: EngineDrafter | None = None, num_drafts: int | None = None,
                  loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
                  max_batch_size: int = 16, compact_at: float = 0.5,
-                 draft_length: DraftLengthPolicy | None = None):
+                 draft_length: DraftLengthPolicy | None = None, preallocate: bool = True):
         """``drafter=None``: every request decodes plainly. ``compact_at``: the fraction of the
         ragged cache's width that compaction would free, above which it is compacted after a
         round. ``draft_length``: the per-round cap on drafts (default fixed γ;
-        ``AdaptiveDraftLength`` shrinks it under load)."""
+        ``AdaptiveDraftLength`` shrinks it under load). ``preallocate``: the batch's KV cache grows
+        in place in a buffer with headroom (``kv_slab``) instead of by ``torch.cat`` each round."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.target, self.drafter = target, drafter
         self.max_batch_size, self.compact_at = int(max_batch_size), float(compact_at)
+        self.preallocate = bool(preallocate)
         self.layer_ids: list[int] = list(drafter.layer_ids) if drafter is not None else []
         self._engines: dict[str, SpeculativeEngine] = {}
         if drafter is not None:  # one per rule: draft() picks tokens the rule's way
             self._engines = {name: SpeculativeEngine(target, drafter, name, num_drafts, loop_stages, loop_gate,
-                                                     carryover) for name in RULES}
+                                                     carryover, preallocate) for name in RULES}
         any_engine = next(iter(self._engines.values()), None)
         self.gamma = any_engine.gamma if any_engine else 0
         self.max_drafts = self.gamma * (any_engine.loop_stages if any_engine else 1)

@@ -25,6 +25,7 @@ import torch
 
 from components.engine.batch_cache import RaggedCache
 from components.engine.engine import GenerationResult, Sequence, new_randomness, sync_device
+from components.engine.kv_slab import preallocate
 from components.engine.rules import get_rule
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class AdmitStep:
         share = (time.perf_counter() - clock) / len(reqs)
         for run in runs:
             run.result.prefill_seconds = share
-        return runs, RaggedCache(out.cache, valid)
+        return runs, RaggedCache(preallocate(out.cache) if self.preallocate else out.cache, valid)
 
     def _prompt_states(self, reqs: list[Request], speculate: list[bool], ids: Any, lens: list[int],
                        hidden: Any) -> list[Any]:
@@ -117,5 +118,6 @@ class AdmitStep:
     drafter: Any
     layer_ids: list[int]
     max_batch_size: int
+    preallocate: bool
     _consume_each: Any
     _finish: Any

@@ -16,7 +16,8 @@ Compaction narrows the cache only to the longest row's count of valid slots, so 
 holes are mostly left padding gains nothing from it (``reclaimable``).
 
 Requests join (``concat``, after their prefill) and leave (``select``) between
-rounds; leaving frees the row. This module knows HF's ``DynamicCache`` layer tensors
+rounds; leaving frees the row. The layers may be ``kv_slab.SlabLayer``s (the engines'
+default): a forward then appends in place, and ``trim`` only narrows their views. This module knows HF's ``DynamicCache`` layer tensors
 (``layers[i].keys/values``, [B, h_kv, L, d]) and nothing about drafters, rules or requests.
 """
 
@@ -141,8 +142,11 @@ def _left_pad_mask(valid: Tensor, width: int) -> Tensor:  # [B, L] -> [B, width]
 
 def keep_slots(cache: Any, start: int, kept: Tensor) -> None:
     """Batch-1 token-tree accept: of the slots from ``start`` on, keep only ``kept`` [k] long
-    (offsets from ``start``, increasing), moved to start..start+k-1; the rest are dropped."""
+    (offsets from ``start``, increasing), moved to start..start+k-1; the rest are dropped.
+    Written in place, then cut (a preallocated layer keeps its buffer)."""
     for layer in _layers(cache):
         idx = start + kept.to(layer.keys.device)
-        layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, idx]], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, idx]], dim=2)
+        end = start + idx.numel()
+        layer.keys[:, :, start:end] = layer.keys[:, :, idx]
+        layer.values[:, :, start:end] = layer.values[:, :, idx]
+        layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal
+from components.engine.kv_slab import preallocate
 from components.engine.rules import RoundRandomness, Rule, get_rule
 from components.spec.sampling import SamplingParams
 from components.spec.verify import VerifyResult
@@ -139,13 +140,16 @@ class SpeculativeEngine:
     """Draft-verify rounds of ``drafter`` against ``target`` under one acceptance rule."""
 
     def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_drafts: int | None = None,
-                 loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False):
+                 loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
+                 preallocate: bool = True):
         """``loop_stages`` > 1 turns on DLoop multi-stage drafting: after a stage whose drafted
         tokens' summed drafter log-probability is ≥ ``loop_gate``, the drafter drafts another
         block on its own states (``consume_own``), up to ``loop_stages`` blocks per round.
         ``carryover`` hands the target's states of each round's rejected drafts to the drafter
-        (``with_carry``) as context for the next round's first block."""
+        (``with_carry``) as context for the next round's first block. ``preallocate``: the KV
+        cache grows in place in a buffer with headroom (``kv_slab``) instead of by ``torch.cat``."""
         self.target = target
+        self.preallocate = bool(preallocate)
         self.drafter = drafter
         self.rule: Rule = get_rule(rule)
         self.gamma = int(num_drafts or drafter.num_drafts)
@@ -166,7 +170,8 @@ class SpeculativeEngine:
         p = prompt.shape[1]
         first = self.rule.sample_target(out.logits[:, -1:], _positions(p, 1, prompt.device), rnd)[:, 0]
         state = self.drafter.consume(self.drafter.init_state(1), prompt, out.hidden)
-        return Sequence(out.cache, state, first, p + 1, [int(first)])
+        cache = preallocate(out.cache) if self.preallocate else out.cache
+        return Sequence(cache, state, first, p + 1, [int(first)])
 
     def draft(self, seq: Sequence, gamma: int, rnd: RoundRandomness) -> tuple[Proposal, Tensor]:
         """Proposal and the draft tokens [1, γ] to verify (predicting positions n..n+γ-1).
@@ -271,14 +276,16 @@ def _concat(props: list[Proposal]) -> Proposal:
 @torch.no_grad()
 def target_only_generate(target: Any, prompt_ids: list[int], max_new_tokens: int,
                          sampling: SamplingParams = DEFAULT_SAMPLING, seed: int = 0,
-                         rule: str = "greedy") -> GenerationResult:
+                         rule: str = "greedy", preallocate_cache: bool = True) -> GenerationResult:
     """The baseline: the target alone, one token per forward, sampled as ``rule``'s target side
-    (greedy argmax; Gumbel-max with the same position-keyed noise; multinomial otherwise)."""
+    (greedy argmax; Gumbel-max with the same position-keyed noise; multinomial otherwise), its
+    KV cache preallocated like the engines' (``preallocate_cache``)."""
     dev = target.device
     chooser, rnd = get_rule(rule), new_randomness(sampling, seed, dev)
     clock = time.perf_counter()
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
     out = target.forward(ids, use_cache=True)
+    cache = preallocate(out.cache) if preallocate_cache else out.cache
     res = GenerationResult([], target_forwards=1)
     pos = len(prompt_ids)
     while True:
@@ -287,7 +294,7 @@ def target_only_generate(target: Any, prompt_ids: list[int], max_new_tokens: int
         pos += 1
         if len(res.tokens) >= max_new_tokens:
             break
-        out = target.forward(token, cache=out.cache, use_cache=True)
+        out = target.forward(token, cache=cache, use_cache=True)
         res.target_forwards += 1
         res.rounds += 1
     sync_device(dev)

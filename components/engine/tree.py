@@ -62,7 +62,7 @@ class TreeEngine(SpeculativeEngine):
     """``SpeculativeEngine`` with a DDTree of up to ``budget`` nodes per round in place of a chain."""
 
     def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_drafts: int | None = None,
-                 budget: int = 16, builder: str = "ddtree", top_m: int = 8):
+                 budget: int = 16, builder: str = "ddtree", top_m: int = 8, preallocate: bool = True):
         """``builder``: ``ddtree`` (per-depth marginals) or ``causal`` (DominoTree: children scored
         on their own path by the drafter's ``causal_tree_head``, among the top-``top_m`` tokens)."""
         if rule not in TREE_RULES:
@@ -75,7 +75,7 @@ class TreeEngine(SpeculativeEngine):
         if builder == "causal" and not hasattr(drafter, "causal_tree_head"):
             raise ValueError("tree engine: builder 'causal' needs a drafter with a causal head (causal_tree_head, "
                              "e.g. DSpark with markov_head linear/rnn); use builder 'ddtree'")
-        super().__init__(target, drafter, rule, num_drafts)
+        super().__init__(target, drafter, rule, num_drafts, preallocate=preallocate)
         self.budget, self.builder, self.top_m = int(budget), builder, int(top_m)
 
     def draft_tree(self, seq: Sequence, depth: int, rnd: RoundRandomness) -> TokenTree:
