@@ -17,7 +17,8 @@ holes are mostly left padding gains nothing from it (``reclaimable``).
 
 Requests join (``concat``, after their prefill) and leave (``select``) between
 rounds; leaving frees the row. The layers may be ``kv_slab.SlabLayer``s (the engines'
-default): a forward then appends in place, and ``trim`` only narrows their views. This module knows HF's ``DynamicCache`` layer tensors
+default): a forward then appends in place, ``trim`` only narrows their views, and rows leave
+and join inside their buffers. This module knows HF's ``DynamicCache`` layer tensors
 (``layers[i].keys/values``, [B, h_kv, L, d]) and nothing about drafters, rules or requests.
 """
 
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from components.engine.kv_slab import SlabLayer
 
 
 def _layers(cache: Any) -> list[Any]:
@@ -112,14 +115,21 @@ class RaggedCache:
         """Keeps only ``rows`` (in that order): the others' slots are freed."""
         index = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
         for layer in _layers(self.cache):
-            layer.keys, layer.values = layer.keys[index], layer.values[index]
+            if isinstance(layer, SlabLayer):
+                layer.keep_rows(rows)
+            else:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
         self.valid = self.valid[index]
         self.trim()
 
     def concat(self, other: RaggedCache) -> None:
-        """Appends ``other``'s rows after this batch's, left-padding the shorter side."""
+        """Appends ``other``'s rows after this batch's, left-padding the shorter side (with zeros;
+        in a preallocated layer's buffer, whatever finite values it held: masked either way)."""
         width = max(self.length, other.length)
         for mine, theirs in zip(_layers(self.cache), _layers(other.cache), strict=True):
+            if isinstance(mine, SlabLayer):
+                mine.add_rows(theirs.keys, theirs.values)
+                continue
             mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)], dim=0)
             mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], dim=0)
         self.valid = torch.cat([_left_pad_mask(self.valid, width), _left_pad_mask(other.valid, width)], dim=0)

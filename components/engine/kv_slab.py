@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
@@ -34,8 +35,8 @@ MIN_HEADROOM = 64  # slots
 
 
 class SlabLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose ``keys``/``values`` [B, h_kv, L, d] are views into a preallocated
-    buffer [B, h_kv, capacity, d]."""
+    """A ``DynamicLayer`` whose ``keys``/``values`` [B, h_kv, L, d] are views
+    ``buffer[:B, :, off:off + L]`` into preallocated buffers [rows, h_kv, capacity, d]."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,7 +52,7 @@ class SlabLayer(DynamicLayer):
 
     @property
     def capacity(self) -> int:
-        """Slots the current buffer holds (0 before the first update)."""
+        """Slots the current buffer holds per row (0 before the first update)."""
         return 0 if self._k is None else self._k.shape[2]
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -59,48 +60,87 @@ class SlabLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, t = self.get_seq_length(), key_states.shape[2]
-        off = self._offset(t)
-        if off is None:
-            off = self._reallocate(n + t, key_states, value_states)
+        off = self._offset()
+        if off is None or off + n + t > self.capacity:
+            off = self._reallocate(key_states.shape[0], n + t, 0, key_states, value_states)
         end = off + n + t
-        self._k[:, :, off + n:end] = key_states
-        self._v[:, :, off + n:end] = value_states
-        self.keys, self.values = self._k[:, :, off:end], self._v[:, :, off:end]
+        self._k[:len(key_states), :, off + n:end] = key_states
+        self._v[:len(key_states), :, off + n:end] = value_states
+        self._view(len(key_states), off, end)
         return self.keys, self.values
 
-    def _offset(self, new_slots: int) -> int | None:
-        """Where ``keys`` starts in the buffer, if keys and values are still whole-row views of
-        the buffers with room for ``new_slots`` more; else None."""
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keeps only ``rows`` (in that order). In the buffer, only the rows that move are copied
+        (none when the last rows leave)."""
+        off = self._offset()
+        if off is None:
+            index = torch.tensor(rows, dtype=torch.long, device=self.keys.device)
+            self.keys, self.values = self.keys[index], self.values[index]
+            return
+        end = off + self.keys.shape[2]
+        first = next((j for j, r in enumerate(rows) if r != j), len(rows))
+        if first < len(rows):
+            src = torch.tensor(rows[first:], dtype=torch.long, device=self._k.device)
+            self._k[first:len(rows), :, off:end] = self._k[src, :, off:end]
+            self._v[first:len(rows), :, off:end] = self._v[src, :, off:end]
+        self._view(len(rows), off, end)
+
+    def add_rows(self, keys: Tensor, values: Tensor) -> None:
+        """Appends rows [k, h_kv, w, d] below the current ones, right-aligned with them; the
+        shorter side's missing slots on the left are left as they are (the caller masks them).
+        In the buffer when its rows and left margin have room, else in a fresh buffer."""
+        b, n = self.keys.shape[0], self.keys.shape[2]
+        k, w = keys.shape[0], keys.shape[2]
+        width = max(n, w)
+        off = self._offset()
+        if off is None or b + k > self._k.shape[0] or off < width - n:
+            off = self._reallocate(b + k, width, width - n, keys, values)
+        start = off - (width - n)  # the view now begins here, for old rows and new
+        self._k[b:b + k, :, start + width - w:start + width] = keys
+        self._v[b:b + k, :, start + width - w:start + width] = values
+        self._view(b + k, start, start + width)
+
+    def _view(self, rows: int, start: int, end: int) -> None:
+        self.keys, self.values = self._k[:rows, :, start:end], self._v[:rows, :, start:end]
+
+    def _offset(self) -> int | None:
+        """Where ``keys`` starts in the buffer, if keys and values are still views
+        ``buffer[:B, :, a:b]`` of the buffers; else None."""
         if self._k is None or self.keys is None or self.keys.numel() == 0:
             return None
-        if not (_is_slot_view(self.keys, self._k) and _is_slot_view(self.values, self._v)):
-            return None
-        off = (self.keys.storage_offset() - self._k.storage_offset()) // self._k.stride(2)
-        voff = (self.values.storage_offset() - self._v.storage_offset()) // self._v.stride(2)
-        if voff != off or off + self.keys.shape[2] + new_slots > self._k.shape[2]:
-            return None
-        return off
+        off = _slot_offset(self.keys, self._k)
+        return off if off is not None and off == _slot_offset(self.values, self._v) else None
 
-    def _reallocate(self, needed: int, key_states: Tensor, value_states: Tensor) -> int:
-        """A fresh buffer for ``needed`` slots plus headroom; the current keys/values copied to its
-        start. Returns the offset of keys in it (0)."""
-        n, cap = self.get_seq_length(), needed + max(MIN_HEADROOM, needed // 4)
-        k = key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[3])
-        v = value_states.new_empty(*value_states.shape[:2], cap, value_states.shape[3])
+    def _reallocate(self, rows: int, slots: int, shift: int, like_k: Tensor, like_v: Tensor) -> int:
+        """Fresh zeroed buffers for ``rows`` (at least as many as before) × ``slots`` plus
+        headroom; the current keys/values copied to rows 0.., slots ``shift``.. (which is their
+        offset, returned). Zeroed, so that slots a view takes in on the left are finite."""
+        n, cap = self.get_seq_length(), slots + max(MIN_HEADROOM, slots // 4)
+        rows = max(rows, self._k.shape[0] if self._k is not None else 0)
+        k = like_k.new_zeros(rows, like_k.shape[1], cap, like_k.shape[3])  # like_*: new states, for shapes
+        v = like_v.new_zeros(rows, like_v.shape[1], cap, like_v.shape[3])
         if n:
-            k[:, :, :n], v[:, :, :n] = self.keys, self.values
+            b = self.keys.shape[0]
+            k[:b, :, shift:shift + n], v[:b, :, shift:shift + n] = self.keys, self.values
         self._k, self._v = k, v
-        return 0
+        return shift
 
     def reset(self) -> None:
         self._k = self._v = None
         super().reset()
 
 
-def _is_slot_view(view: Tensor, buffer: Tensor) -> bool:
-    """``view`` is ``buffer[:, :, a:b]`` for some a ≤ b (every row and head, a range of slots)."""
-    return (view._base is buffer and view.shape[:2] == buffer.shape[:2] and view.shape[3] == buffer.shape[3]
-            and view.stride() == buffer.stride())
+def _slot_offset(view: Tensor, buffer: Tensor) -> int | None:
+    """a, where ``view`` is ``buffer[:B, :, a:b]`` (leading rows, every head, a range of slots);
+    else None."""
+    if view._base is not buffer or view.shape[1] != buffer.shape[1] or view.shape[3] != buffer.shape[3]:
+        return None
+    if view.shape[0] > buffer.shape[0] or view.stride() != buffer.stride():
+        return None
+    diff = view.storage_offset() - buffer.storage_offset()
+    if diff < 0 or diff % buffer.stride(2) or diff >= buffer.stride(1):
+        return None
+    return diff // buffer.stride(2)
 
 
 def preallocate(cache: Any) -> Any:

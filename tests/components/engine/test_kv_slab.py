@@ -42,11 +42,35 @@ def test_slab_layer_takes_over_tensors_set_from_outside():
     expected = [torch.cat([x, y], dim=2) for x, y in zip((slab.keys, slab.values), _kv(2, 2, 1))]
     got = slab.update(*_kv(2, 2, 1))
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    assert slab.keys._base is slab._k and slab._k.shape[0] == 2
+    assert slab.keys._base is slab._k and slab._k.shape[0] == 3  # the buffer keeps its 3 rows
     slab.keys, slab.values = slab.keys[:, :, 3:], slab.values[:, :, 3:]  # a leading trim: still a view
     buffer = slab._k
     slab.update(*_kv(2, 1, 2))
     assert slab._k is buffer and slab.get_seq_length() == 6
+
+
+def test_rows_leave_and_join_inside_the_buffer():
+    """``keep_rows`` and ``add_rows`` equal indexing and a right-aligned concat, without a new
+    buffer while rows and the left margin have room."""
+    slab = SlabLayer()
+    k0, v0 = _kv(4, 6, 0)
+    slab.update(k0, v0)
+    buffer = slab._k
+    slab.keep_rows([0, 2, 3])
+    assert torch.equal(slab.keys, k0[[0, 2, 3]]) and torch.equal(slab.values, v0[[0, 2, 3]])
+    slab.keys, slab.values = slab.keys[:, :, 2:], slab.values[:, :, 2:]  # a leading trim: 2 free slots left
+    short, long = _kv(1, 3, 1), _kv(1, 6, 2)
+    slab.add_rows(*short)  # narrower than the batch: right-aligned
+    assert torch.equal(slab.keys[3:, :, 1:], short[0]) and torch.equal(slab.values[3:, :, 1:], short[1])
+    slab.keep_rows([0, 1, 3])
+    slab.add_rows(*long)  # wider by 2: the view takes in the 2 free slots on the left
+    assert slab._k is buffer and slab.keys._base is buffer and slab.keys.shape == (4, 2, 6, 8)
+    assert torch.equal(slab.keys[:2, :, 2:], k0[[0, 2], :, 2:]) and torch.equal(slab.keys[2:3, :, 3:], short[0])
+    assert torch.equal(slab.keys[3:], long[0]) and torch.equal(slab.values[3:], long[1])
+    assert bool(torch.isfinite(slab.keys).all())  # slots taken in on the left are finite (masked later)
+    before = slab.keys.clone()
+    slab.add_rows(*_kv(1, 2, 3))  # a fifth row: the buffer grows
+    assert slab._k is not buffer and slab.keys.shape[0] == 5 and torch.equal(slab.keys[:4], before)
 
 
 def test_slab_layer_reallocates_when_full():
@@ -85,6 +109,9 @@ def test_ragged_batch_sees_the_same_logits_with_a_preallocated_cache(tiny_target
                 ragged.compact()
             if rnd == 3:
                 ragged.select([0, 2, 3])
+            if rnd == 4:  # a request joins, inside the buffer's free row
+                cache = tiny_target.forward(torch.tensor([prompts[1][:5]]), use_cache=True).cache
+                ragged.concat(RaggedCache.single(preallocate(cache) if prealloc else cache))
         return logits
 
     for a, b in zip(run(True), run(False), strict=True):
