@@ -132,3 +132,38 @@ def test_draining_batch_follows_the_row_that_finishes_last():
     good = torch.full((1, GAMMA), 0.9, dtype=torch.float64).cumprod(dim=-1)
     assert (AdaptiveDraftLength(round_time=one).cap(good, GAMMA)
             == AdaptiveDraftLength(round_time=one).cap(good, GAMMA, remaining=[20]) == GAMMA)
+
+
+def test_calibration_learns_deep_drafts_conditionally():
+    """Rows that take a loop whole or not at all (of 10: 5 accept all 7 drafts, 2 accept one, 3
+    none): P(draft k | the ones before) is 0.7, 5/7, then 1. A head saying 0.7 at every position
+    predicts survival 0.7^7 ≈ 0.08 at position 7; calibrated conditionally, the policy expects
+    about the 0.5 the rows really reach, and the first position stays at 0.7."""
+    policy = AdaptiveDraftLength(flat_table())
+    conf = torch.full((10, GAMMA), 0.7, dtype=torch.float64).cumprod(dim=-1)
+    truth = [7] * 5 + [1] * 2 + [0] * 3
+    for _ in range(40):
+        cap = policy.cap(conf, GAMMA)
+        drafted = [cap] * 10 if cap else []
+        policy.observe([min(t, cap) for t in truth][:len(drafted)], drafted, 0.1, 0.8, 1.0, 10 * (cap + 1))
+    est = policy.calibrated(conf)[0]
+    assert abs(float(est[0]) - 0.7) < 0.03 and abs(float(est[1]) - 0.5) < 0.05
+    assert 0.42 < float(est[6]) <= float(est[1]) and float(conf[0, 6]) < 0.1
+
+
+
+def test_deep_positions_seen_only_in_hard_rows_do_not_lower_every_row():
+    """Deep drafts are seen only in rounds of hard rows (2 of 10 take the whole loop, 8 none);
+    rounds of mixed rows draft 3. Every row that reaches a draft accepts it after the first,
+    so calibrated survival stays flat past position 1, for every row, instead of carrying the
+    hard rows' low P(all 7) over to the positions only they were seen at."""
+    policy = AdaptiveDraftLength(flat_table())
+    conf = torch.full((10, GAMMA), 0.7, dtype=torch.float64).cumprod(dim=-1)
+    mixed = [3] * 7 + [0] * 3  # drafting 3: 7 of 10 take it whole
+    hard = [7] * 2 + [0] * 8
+    for i in range(40):
+        accepted, drafted = (mixed, [3] * 10) if i % 2 else (hard, [GAMMA] * 10)
+        policy.cap(conf, GAMMA)
+        policy.observe(accepted, drafted, 0.1, 0.8, 1.0, 10 * (max(drafted) + 1))
+    est = policy.calibrated(conf)[0]
+    assert float(est[GAMMA - 1]) > 0.95 * float(est[2]) and 0.35 < float(est[0]) < 0.5
