@@ -147,12 +147,15 @@ def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = 
 
 def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """What a stored profile was measured for: target, drafter (class and size), batch sizes,
-    engine settings, device, dtype and threads. A profile is only reused for an equal key."""
+    engine settings (as given, and the KV cache kind), device, dtype and threads. A profile is
+    only reused for an equal key."""
     params = sum(p.numel() for p in drafter.parameters()) if hasattr(drafter, "parameters") else 0
-    caps = BatchEngine(target, drafter, **{k: v for k, v in engine_kwargs.items() if k not in _PROFILER_ARGS}).max_drafts
+    engine = BatchEngine(target, drafter, **{k: v for k, v in engine_kwargs.items() if k not in _PROFILER_ARGS})
     return {"target": str(getattr(target, "name_or_path", type(target).__name__)),
-            "drafter": f"{type(drafter).__name__}:{params}:{caps}", "batch_sizes": sorted({int(b) for b in batch_sizes}),
-            "engine": {k: repr(v) for k, v in sorted(engine_kwargs.items())}, "device": str(target.device),
+            "drafter": f"{type(drafter).__name__}:{params}:{engine.max_drafts}",
+            "batch_sizes": sorted({int(b) for b in batch_sizes}),
+            "engine": {k: repr(v) for k, v in sorted(engine_kwargs.items())},
+            "kv_cache": "preallocated" if engine.preallocate else "dynamic", "device": str(target.device),
             "dtype": str(target.dtype), "threads": torch.get_num_threads()}
 
 
