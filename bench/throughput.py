@@ -16,7 +16,9 @@ speculative ones do not). Methods, measured back to back in the same run:
   round times per (batch size, cap), profiled on this machine at start for that drafter
   (``components.engine.profile``; ``--profile-dir DIR`` keeps the profiles and reuses them;
   ``--forward-profile``: the older target-forward curve T(n) instead); 0 = plain round;
-* ``prompt_lookup fixed/adaptive`` -- the model-free n-gram drafter, likewise.
+* ``prompt_lookup fixed/adaptive`` -- the model-free n-gram drafter, likewise;
+* ``<drafter> tree``     -- with ``--tree-budget N``: fixed γ, and a token tree of N nodes
+  whenever a single request is in flight (``BatchEngine(tree_budget=N)``).
 
 ``--drafter``: a trained drafter checkpoint (e.g. ``<run_dir>/train/drafter``); without it only
 prompt lookup speculates. Every output is checked equal to plain greedy decoding (lossless).
@@ -68,16 +70,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--int8-head", action="store_true", help="the drafter reads out through an int8 LM head")
     ap.add_argument("--profile-dir", default="",
                     help="keep each drafter's round profile here and reuse it while target, drafter and settings match")
+    ap.add_argument("--tree-budget", type=int, default=0,
+                    help="also run each drafter with token trees of this many nodes when one request is in flight")
     ap.add_argument("--forward-profile", action="store_true",
                     help="adaptive rows price rounds from the target's forward curve T(n), not profiled rounds")
     return ap.parse_args()
 
 
 def run(target: Any, drafter: Any, prompts: list[list[int]], args: argparse.Namespace, conc: int,
-        policy: Any = None) -> tuple[float, list[list[int]], float, float, float]:
+        policy: Any = None, tree_budget: int = 0) -> tuple[float, list[list[int]], float, float, float]:
     """(seconds, outputs, τ, mean cap, share of the seconds spent prefilling) of all requests
     through one engine at concurrency ``conc``."""
-    engine = BatchEngine(target, drafter, max_batch_size=conc, draft_length=policy)
+    engine = BatchEngine(target, drafter, max_batch_size=conc, draft_length=policy, tree_budget=tree_budget)
     reqs = [Request(p, args.new_tokens) for p in prompts]
     t0 = time.perf_counter()
     results = engine.generate(reqs)
@@ -131,7 +135,9 @@ def main() -> None:
           f"tokens, greedy, {torch.get_num_threads()} thread(s), {args.device}")
     policies = profile_policies(target, drafters, args)
     print(f"{'conc':>4} {'reqs':>4} {'method':<24}{'tok/s':>9}{'tau':>7}{'cap':>6}{'prefill':>10}{'vs plain':>10}")
-    methods = [("plain", None, "")] + [(name, d, mode) for name, d in drafters.items() for mode in ("fixed", "adaptive")]
+    modes = ("fixed", "adaptive", "tree") if args.tree_budget else ("fixed", "adaptive")
+    methods = [("plain", None, "")] + [(name, d, mode) for name, d in drafters.items() for mode in modes
+                                       if mode != "tree" or hasattr(d, "parameters")]  # trees: model drafters
     for conc in levels:
         seconds: dict[str, list[float]] = {}
         shown: dict[str, tuple[float, float, float]] = {}
@@ -139,7 +145,8 @@ def main() -> None:
         for _ in range(args.reps):  # methods interleaved, so drift on a busy host hits all alike
             for name, drafter, mode in methods:
                 policy = policies[name]() if mode == "adaptive" else None
-                secs, out, tau, cap, prefill = run(target, drafter, prompts[:counts[conc]], args, conc, policy)
+                trees = args.tree_budget if mode == "tree" else 0
+                secs, out, tau, cap, prefill = run(target, drafter, prompts[:counts[conc]], args, conc, policy, trees)
                 base_out = out if base_out is None else base_out
                 if out != base_out:
                     raise SystemExit(f"{name} {mode} at concurrency {conc}: output differs from plain greedy")

@@ -46,6 +46,7 @@ from components.drafters.base import DEFAULT_SAMPLING, Proposal
 from components.engine.batch_admit import AdmitStep
 from components.engine.batch_cache import RaggedCache
 from components.engine.batch_draft import DraftStep
+from components.engine.batch_tree import TreeStep
 from components.engine.engine import (
     EngineDrafter,
     GenerationResult,
@@ -127,7 +128,7 @@ class _Batch:
     cache: RaggedCache | None = None
 
 
-class BatchEngine(AdmitStep, DraftStep):
+class BatchEngine(AdmitStep, DraftStep, TreeStep):
     """Continuous-batching speculative decoding of ``drafter`` (or plain decoding) on ``target``."""
 
     defer_plain_updates = True  # plain rounds of speculating rows defer the drafter's update (_consume)
@@ -135,12 +136,15 @@ class BatchEngine(AdmitStep, DraftStep):
     def __init__(self, target: Any, drafter: EngineDrafter | None = None, num_drafts: int | None = None,
                  loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
                  max_batch_size: int = 16, compact_at: float = 0.5,
-                 draft_length: DraftLengthPolicy | None = None, preallocate: bool = True):
+                 draft_length: DraftLengthPolicy | None = None, preallocate: bool = True,
+                 tree_budget: int = 0, tree_builder: str = "ddtree"):
         """``drafter=None``: every request decodes plainly. ``compact_at``: the fraction of the
         ragged cache's width that compaction would free, above which it is compacted after a
         round. ``draft_length``: the per-round cap on drafts (default fixed γ;
         ``AdaptiveDraftLength`` shrinks it under load). ``preallocate``: the batch's KV cache grows
-        in place in a buffer with headroom (``kv_slab``) instead of by ``torch.cat`` each round."""
+        in place in a buffer with headroom (``kv_slab``) instead of by ``torch.cat`` each round.
+        ``tree_budget`` > 0: a lone greedy or Gumbel request drafts a token tree of that many
+        nodes (``tree_builder``: ddtree or causal) instead of a chain (``batch_tree.py``)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.target, self.drafter = target, drafter
@@ -161,6 +165,7 @@ class BatchEngine(AdmitStep, DraftStep):
         self.batch = _Batch()
         self._cancelled: set[str] = set()
         self.stats = EngineStats()
+        self._init_trees(int(tree_budget), tree_builder, loop_stages, carryover)
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> str:
@@ -191,6 +196,11 @@ class BatchEngine(AdmitStep, DraftStep):
             self._record(outputs, 0, [], [], 0.0, 0.0, start)
             return outputs
         clock, rows = time.perf_counter(), len(self.batch.rows)
+        lone = self._tree_row()
+        if lone is not None:
+            outs, accepted, nodes, draft_seconds, verify_seconds = self._tree_round(lone)
+            self._record(outputs + outs, 1, [accepted], [nodes], draft_seconds, verify_seconds, start)
+            return outputs + outs
         draft_seconds = self._draft()
         logits, hidden, forward_seconds = self._verify_forward()
         drafting = [r for r in self.batch.rows if r.drafts is not None]
