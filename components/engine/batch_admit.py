@@ -19,17 +19,15 @@ and the ragged cache, nothing about drafting or verification.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from components.engine.batch_cache import RaggedCache
+from components.engine.batch_state import Request, StepOutput, _check_end, _Running
 from components.engine.engine import GenerationResult, Sequence, new_randomness, sync_device
 from components.engine.kv_slab import preallocate
 from components.engine.rules import get_rule
-
-if TYPE_CHECKING:
-    from components.engine.batch import Request, StepOutput, _Running
 
 
 class AdmitStep:
@@ -38,8 +36,6 @@ class AdmitStep:
     def _admit(self) -> list[StepOutput]:
         """Prefills as many waiting requests as there are free rows; emits each one's first
         token; requests that end there (a stop token, one token asked) leave at once."""
-        from components.engine.batch import StepOutput, _check_end
-
         free = self.max_batch_size - len(self.batch.rows)
         reqs = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
         if not reqs:
@@ -68,8 +64,6 @@ class AdmitStep:
     def _prefill_many(self, reqs: list[Request]) -> tuple[list[_Running], RaggedCache]:
         """One target forward over the prompts of ``reqs`` (right-padded), their first tokens and
         drafter states; the cache of their rows (padding slots masked out)."""
-        from components.engine.batch import _Running
-
         dev, clock = self.target.device, time.perf_counter()
         lens = [len(r.prompt_ids) for r in reqs]
         width = max(lens)

@@ -19,16 +19,14 @@ knows nothing about verification or the target cache.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from components.engine.batch_state import _Running
 from components.engine.engine import sync_device
 from components.engine.schedule import FixedDraftLength, survival_from_confidences
-
-if TYPE_CHECKING:
-    from components.engine.batch import _Running
 
 
 class DraftStep:

@@ -18,14 +18,12 @@ tree engine and the ragged cache, nothing about drafter families.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from components.engine.batch_cache import RaggedCache
+from components.engine.batch_state import StepOutput, _check_end, _Running
 from components.engine.engine import Sequence
 from components.engine.tree import TreeEngine
-
-if TYPE_CHECKING:
-    from components.engine.batch import StepOutput, _Running
 
 TREE_BATCH_RULES = ("greedy", "gumbel")  # rules whose output does not depend on the drafts
 
@@ -55,8 +53,6 @@ class TreeStep:
 
     def _tree_round(self, run: _Running) -> tuple[list[StepOutput], int, int, float, float]:
         """One tree round of the lone row → (outputs, accepted, nodes, draft s, verify s)."""
-        from components.engine.batch import StepOutput, _check_end
-
         if run.pending:
             self._flush([run])
         cache = self.batch.cache

@@ -12,3 +12,12 @@ from tests.components.engine.test_engine_greedy import MAX_NEW, prompts
 def references(tiny_target) -> list[list[int]]:
     """Target-only greedy continuations (MAX_NEW tokens) of ``prompts(tiny_target)``."""
     return [target_only_generate(tiny_target, p, MAX_NEW).tokens for p in prompts(tiny_target)]
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(tiny_target) -> list[list[int]]:
+    """Target-only greedy outputs of the batch tests' requests (``test_batch_engine.requests``)."""
+    from tests.components.engine.test_batch_engine import requests
+
+    return [target_only_generate(tiny_target, r.prompt_ids, r.max_new_tokens).tokens
+            for r in requests(tiny_target)]

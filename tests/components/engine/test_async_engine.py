@@ -10,7 +10,7 @@ import pytest
 
 from components.engine.async_engine import AsyncEngine, EngineError
 from components.engine.batch import BatchEngine, Request
-from tests.components.engine.test_batch_engine import greedy_refs, requests  # noqa: F401  (fixture)
+from tests.components.engine.test_batch_engine import requests
 from tests.components.engine.test_engine_greedy import random_drafter
 
 
@@ -21,7 +21,7 @@ def async_engine(tiny_target):
     engine.shutdown()
 
 
-def test_concurrent_streams_are_lossless(tiny_target, greedy_refs, async_engine):  # noqa: F811
+def test_concurrent_streams_are_lossless(tiny_target, greedy_refs, async_engine):
     async def consume(req: Request) -> tuple[list[int], int]:
         tokens, chunks = [], 0
         async for out in async_engine.stream(req):

@@ -26,12 +26,6 @@ def requests(target, lengths=(20, 7, 31, 12, 1, 25), **kw) -> list[Request]:
     return [Request(p, n, **kw) for p, n in zip(batch_prompts(target), lengths)]
 
 
-@pytest.fixture(scope="module")
-def greedy_refs(tiny_target) -> list[list[int]]:
-    return [target_only_generate(tiny_target, r.prompt_ids, r.max_new_tokens).tokens
-            for r in requests(tiny_target)]
-
-
 @pytest.mark.parametrize("drafter_kind", ["plain", "dspark", "eagle3", "prompt_lookup"])
 @pytest.mark.parametrize("max_batch", [2, 16])
 def test_batch_greedy_equals_target(tiny_target, greedy_refs, drafter_kind, max_batch):
