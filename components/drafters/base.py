@@ -144,6 +144,11 @@ class Proposal:
 
 
 # ----------------------------------------------------------------------------- helpers
+def is_greedy(sampling: SamplingParams) -> bool:
+    """A scalar temperature of 0: a readout takes the argmax and uses no randomness."""
+    return not isinstance(sampling.temperature, Tensor) and sampling.temperature <= 0
+
+
 def sample_tokens(
     logits: Tensor,  # [B, ..., V]
     sampling: SamplingParams,
@@ -153,7 +158,7 @@ def sample_tokens(
 
     All-greedy settings (a scalar temperature 0) skip processing and the draw: the argmax and
     its one-hot, exactly what processing + multinomial would give, without touching ``generator``."""
-    if not isinstance(sampling.temperature, Tensor) and sampling.temperature <= 0:
+    if is_greedy(sampling):
         tokens = logits.argmax(dim=-1)
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return tokens, probs.scatter_(-1, tokens.unsqueeze(-1), 1.0)

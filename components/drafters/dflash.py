@@ -36,6 +36,7 @@ from components.drafters.base import (
     SharedParts,
     block_targets,
     gather_positions,
+    is_greedy,
     sample_tokens,
 )
 from components.drafters.layers import KV, DecoderLayer, LayerSizes, RMSNorm, init_weights
@@ -269,7 +270,7 @@ class DFlashDrafter(Drafter):
         positions = starts[:, None] + torch.arange(bs, device=ids.device)[None, :]  # [R, bs]
         z = self.backbone(self.embed(ids), positions, context, mask)[:, self.first_slot:self.first_slot + gamma]
         samplings = sampling if isinstance(sampling, list) else [sampling] * r
-        if all(_greedy(s) for s in samplings):
+        if all(is_greedy(s) for s in samplings):
             prop = self.sample_readout(z, last_tokens, samplings[0], None)
             conf = prop.confidences
             return [Proposal(prop.tokens[i:i + 1, :g], prop.logits[i:i + 1, :g], prop.probs[i:i + 1, :g],
@@ -331,8 +332,3 @@ class DFlashDrafter(Drafter):
         logits = self.lm_head(z)
         tokens, probs = sample_tokens(logits, sampling, generator)
         return Proposal(tokens, logits, probs, None)
-
-
-def _greedy(sampling: SamplingParams) -> bool:
-    """A scalar temperature of 0: the readout takes the argmax and uses no randomness."""
-    return not isinstance(sampling.temperature, Tensor) and sampling.temperature <= 0

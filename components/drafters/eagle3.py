@@ -29,6 +29,7 @@ from components.drafters.base import (
     Proposal,
     SharedParts,
     gather_positions,
+    is_greedy,
     rows_at_anchors,
     sample_tokens,
     spread_layer_ids,
@@ -36,6 +37,8 @@ from components.drafters.base import (
 from components.drafters.layers import KV, MLP, Attention, RMSNorm, causal_mask, init_weights
 from components.drafters.registry import register_drafter
 from components.spec.sampling import SamplingParams
+
+DEFAULT_GREEDY = SamplingParams(temperature=0.0)
 
 
 class Eagle3Layer(nn.Module):
@@ -166,3 +169,57 @@ class Eagle3Drafter(Drafter):
             out_logits.append(logits)
             out_probs.append(probs)
         return Proposal(torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(out_probs, 1), None)
+
+    @torch.no_grad()
+    def propose_many(self, states: list[DraftState], last_tokens: Tensor,
+                     sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None = None,
+                     generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+        """``propose`` for many batch-1 states at once (the batch engine's rows): each of the γ
+        steps is one layer pass over all rows, their committed K/V right-padded to the longest
+        and masked. last_tokens [R]. ``sampling`` and ``num_drafts`` are shared or one per row;
+        each row draws from its own generator (``generators``) only at its own γ steps, so its
+        tokens are the ones ``propose`` would draw for it alone."""
+        r, dev = len(states), last_tokens.device
+        per_row = num_drafts if isinstance(num_drafts, list) else [num_drafts or self.num_drafts] * r
+        samplings = sampling if isinstance(sampling, list) else [sampling] * r
+        gens = generators if generators is not None else [None] * r
+        past, seen = self._padded_context(states, dev)  # (k, v) [R, h, W, d] | None, [R, W] bool
+        zeros = torch.zeros(1, 1, self.sizes.hidden_size, device=dev, dtype=self.fc.weight.dtype)
+        g = torch.cat([s.feats[:, -1:] if s.feats is not None else zeros for s in states])  # [R, 1, H]
+        pos = torch.tensor([s.length for s in states], device=dev)[:, None]  # [R, 1]
+        tok, greedy = last_tokens, all(is_greedy(s) for s in samplings)
+        tokens, logits_out, probs_out = [], [], []
+        for step in range(max(per_row)):
+            mask = torch.cat([seen, seen.new_ones(r, step + 1)], dim=1)[:, None, None, :]  # [R, 1, 1, W+s+1]
+            x = self.midlayer.inputs(self.embed(tok.unsqueeze(1)), g)
+            g, (k, v) = self.midlayer(x, g, pos + step, past, mask)
+            past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)) if past is not None else (k, v)
+            logits = self.lm_head(self.norm(g[:, 0]))  # [R, V]
+            if greedy:
+                tok, probs = sample_tokens(logits, samplings[0], None)
+            else:  # rows past their own γ take the argmax: no draw their batch-1 propose would not make
+                draws = [sample_tokens(logits[i:i + 1], samplings[i] if step < per_row[i] else DEFAULT_GREEDY,
+                                       gens[i]) for i in range(r)]
+                tok, probs = torch.cat([t for t, _ in draws]), torch.cat([p for _, p in draws])
+            tokens.append(tok)
+            logits_out.append(logits)
+            probs_out.append(probs)
+        tokens_t, logits_t, probs_t = torch.stack(tokens, 1), torch.stack(logits_out, 1), torch.stack(probs_out, 1)
+        return [Proposal(tokens_t[i:i + 1, :n], logits_t[i:i + 1, :n], probs_t[i:i + 1, :n], None)
+                for i, n in enumerate(per_row)]
+
+    def _padded_context(self, states: list[DraftState], dev: torch.device) -> tuple[KV | None, Tensor]:
+        """The rows' committed step-0 K/V, right-padded: (k, v) [R, h, W, d] (None if no row has
+        any) and which slots are real [R, W]."""
+        lens = [s.kv[0][0].shape[2] if s.kv else 0 for s in states]
+        width = max(lens)
+        seen = torch.arange(width, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+        if width == 0:
+            return None, seen
+        k0 = next(s.kv[0][0] for s in states if s.kv)
+        keys = k0.new_zeros(len(states), k0.shape[1], width, k0.shape[3])
+        values = keys.clone()
+        for i, s in enumerate(states):
+            if s.kv:
+                keys[i, :, :lens[i]], values[i, :, :lens[i]] = s.kv[0][0][0], s.kv[0][1][0]
+        return (keys, values), seen

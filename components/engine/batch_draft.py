@@ -6,8 +6,8 @@ proposal's confidences, scaled by the row's own record of accepted against predi
 (when the policy calibrates), else the acceptance seen over all rows scaled the same way; and,
 when no request waits to join, each row's tokens left (the batch is draining).
 
-Rows whose drafter has ``propose_many`` (block drafters) and that draft in one stage share one
-padded, masked drafter pass; each row's readout then draws from that row's own sampling
+Rows whose drafter has ``propose_many`` (block drafters; EAGLE-3, one pass per draft step) and
+that draft in one stage share padded, masked drafter passes; each row's readout then draws from that row's own sampling
 parameters and generator, exactly as ``SpeculativeEngine.draft`` would for the row alone (so
 sampled output still does not depend on the rest of the batch). Rows drafting in DLoop stages,
 and drafters without ``propose_many``, propose one by one.
