@@ -168,6 +168,17 @@ def sample_tokens(
     return tokens, probs
 
 
+def sample_rows(logits: Tensor, samplings: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> tuple[Tensor, Tensor]:
+    """``sample_tokens`` for rows that each have their own sampling and generator: logits
+    [R, ..., V] → tokens [R, ...], probs [R, ..., V]; row i draws exactly what
+    ``sample_tokens(logits[i:i+1], samplings[i], generators[i])`` draws (all-greedy rows: one call)."""
+    if all(is_greedy(s) for s in samplings):
+        return sample_tokens(logits, samplings[0], None)
+    draws = [sample_tokens(logits[i:i + 1], samplings[i], generators[i]) for i in range(logits.shape[0])]
+    return torch.cat([t for t, _ in draws]), torch.cat([p for _, p in draws])
+
+
 def block_tokens(
     batch: DraftBatch,
     anchors: Tensor,  # [B, A] long, -1 = unused

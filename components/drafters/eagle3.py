@@ -29,8 +29,8 @@ from components.drafters.base import (
     Proposal,
     SharedParts,
     gather_positions,
-    is_greedy,
     rows_at_anchors,
+    sample_rows,
     sample_tokens,
     spread_layer_ids,
 )
@@ -38,7 +38,7 @@ from components.drafters.layers import KV, MLP, Attention, RMSNorm, causal_mask,
 from components.drafters.registry import register_drafter
 from components.spec.sampling import SamplingParams
 
-DEFAULT_GREEDY = SamplingParams(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 class Eagle3Layer(nn.Module):
@@ -187,7 +187,7 @@ class Eagle3Drafter(Drafter):
         zeros = torch.zeros(1, 1, self.sizes.hidden_size, device=dev, dtype=self.fc.weight.dtype)
         g = torch.cat([s.feats[:, -1:] if s.feats is not None else zeros for s in states])  # [R, 1, H]
         pos = torch.tensor([s.length for s in states], device=dev)[:, None]  # [R, 1]
-        tok, greedy = last_tokens, all(is_greedy(s) for s in samplings)
+        tok = last_tokens
         tokens, logits_out, probs_out = [], [], []
         for step in range(max(per_row)):
             mask = torch.cat([seen, seen.new_ones(r, step + 1)], dim=1)[:, None, None, :]  # [R, 1, 1, W+s+1]
@@ -195,12 +195,8 @@ class Eagle3Drafter(Drafter):
             g, (k, v) = self.midlayer(x, g, pos + step, past, mask)
             past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)) if past is not None else (k, v)
             logits = self.lm_head(self.norm(g[:, 0]))  # [R, V]
-            if greedy:
-                tok, probs = sample_tokens(logits, samplings[0], None)
-            else:  # rows past their own γ take the argmax: no draw their batch-1 propose would not make
-                draws = [sample_tokens(logits[i:i + 1], samplings[i] if step < per_row[i] else DEFAULT_GREEDY,
-                                       gens[i]) for i in range(r)]
-                tok, probs = torch.cat([t for t, _ in draws]), torch.cat([p for _, p in draws])
+            # rows past their own γ take the argmax: no draw their batch-1 propose would not make
+            tok, probs = sample_rows(logits, [s if step < n else GREEDY for s, n in zip(samplings, per_row)], gens)
             tokens.append(tok)
             logits_out.append(logits)
             probs_out.append(probs)

@@ -27,6 +27,7 @@ from components.drafters.base import (
     DraftTrainOutput,
     Proposal,
     SharedParts,
+    is_greedy,
     rows_at_anchors,
     sample_tokens,
 )
@@ -101,3 +102,23 @@ class MedusaDrafter(Drafter):
         logits = self._heads(state.feats[:, -1], num_drafts or self.num_drafts)  # [B, γ, V]
         tokens, probs = sample_tokens(logits, sampling, generator)
         return Proposal(tokens, logits, probs, None)
+
+    def propose_many(self, states: list[DraftState], last_tokens: Tensor,
+                     sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None = None,
+                     generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+        """``propose`` for many batch-1 states in one pass of the heads (the batch engine's rows):
+        ``sampling`` and ``num_drafts`` shared or one per row; each row draws from its own
+        generator, as ``propose`` would for it alone."""
+        if any(s.feats is None for s in states):
+            raise DrafterError("medusa needs at least one consumed position before proposing")
+        r = len(states)
+        per_row = num_drafts if isinstance(num_drafts, list) else [num_drafts or self.num_drafts] * r
+        samplings = sampling if isinstance(sampling, list) else [sampling] * r
+        gens = generators if generators is not None else [None] * r
+        logits = self._heads(torch.cat([s.feats[:, -1] for s in states]), max(per_row))  # [R, γ, V]
+        if all(is_greedy(s) for s in samplings):  # no randomness: one argmax, then each row's γ
+            tokens, probs = sample_tokens(logits, samplings[0], None)
+            return [Proposal(tokens[i:i + 1, :n], logits[i:i + 1, :n], probs[i:i + 1, :n], None)
+                    for i, n in enumerate(per_row)]
+        draws = [sample_tokens(logits[i:i + 1, :n], samplings[i], gens[i]) for i, n in enumerate(per_row)]
+        return [Proposal(t, logits[i:i + 1, :n], p, None) for i, (n, (t, p)) in enumerate(zip(per_row, draws))]

@@ -1,9 +1,10 @@
-"""EAGLE-3's batched proposals: ``propose_many`` over rows of different context lengths, each
-with its own γ, sampling and generator, gives each row what ``propose`` gives it alone; the
-batch engine uses it and stays lossless."""
+"""Batched proposals of EAGLE-3 and Medusa: ``propose_many`` over rows of different context
+lengths, each with its own γ, sampling and generator, gives each row what ``propose`` gives it
+alone; the batch engine uses it and stays lossless."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from components.engine import SpeculativeEngine, target_only_generate
@@ -24,8 +25,9 @@ def row_states(target, drafter) -> tuple[list, list[int]]:
     return states, last
 
 
-def test_propose_many_equals_propose_per_row(tiny_target):
-    drafter = make_drafter(tiny_target, "eagle3", num_layers=1)
+@pytest.mark.parametrize("name", ["eagle3", "medusa"])
+def test_propose_many_equals_propose_per_row(tiny_target, name):
+    drafter = make_drafter(tiny_target, name, num_layers=1)
     states, last = row_states(tiny_target, drafter)
     gammas = [3, 1, 4, 2]
     greedy = SamplingParams(temperature=0.0)
@@ -45,8 +47,9 @@ def test_propose_many_equals_propose_per_row(tiny_target):
         assert torch.equal(gens[i].get_state(), alone.get_state())  # drawn from as often as propose() draws
 
 
-def test_batch_engine_with_eagle3_rows_together(tiny_target):
-    drafter = make_drafter(tiny_target, "eagle3", num_layers=1)
+@pytest.mark.parametrize("name", ["eagle3", "medusa"])
+def test_batch_engine_with_rows_proposed_together(tiny_target, name):
+    drafter = make_drafter(tiny_target, name, num_layers=1)
     prompts = [tiny_target.tokenizer(t)["input_ids"] for t in TEXTS]
     refs = [target_only_generate(tiny_target, p, 14).tokens for p in prompts]
     calls = [0]
