@@ -39,6 +39,7 @@ from components.losses.common import LossInputs
 from components.spec.sampling import SamplingParams, probs_from_logits
 
 DEFAULT_SAMPLING = SamplingParams()  # temperature 1, no top-k/top-p
+GREEDY = SamplingParams(temperature=0.0)  # the argmax, no randomness
 LAYER_ID_CONVENTION = "layer i = output of decoder layer i (0-based) = HF hidden_states[i+1]"
 
 
@@ -166,6 +167,16 @@ def sample_tokens(
     flat = probs.reshape(-1, probs.shape[-1])
     tokens = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
     return tokens, probs
+
+
+def row_settings(rows: int, sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None,
+                 generators: list[torch.Generator | None] | None,
+                 default_drafts: int) -> tuple[list[int], list[SamplingParams], list[torch.Generator | None]]:
+    """A ``propose_many`` call's arguments per row: (γ, sampling, generator) lists of ``rows``,
+    from values shared by all rows or given one per row."""
+    per_row = num_drafts if isinstance(num_drafts, list) else [num_drafts or default_drafts] * rows
+    samplings = sampling if isinstance(sampling, list) else [sampling] * rows
+    return per_row, samplings, generators if generators is not None else [None] * rows
 
 
 def sample_rows(logits: Tensor, samplings: list[SamplingParams],

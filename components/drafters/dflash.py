@@ -37,9 +37,17 @@ from components.drafters.base import (
     block_targets,
     gather_positions,
     is_greedy,
+    row_settings,
     sample_tokens,
 )
-from components.drafters.layers import KV, DecoderLayer, LayerSizes, RMSNorm, init_weights
+from components.drafters.layers import (
+    KV,
+    DecoderLayer,
+    LayerSizes,
+    RMSNorm,
+    init_weights,
+    pad_kv_rows,
+)
 from components.drafters.registry import register_drafter
 from components.spec.sampling import SamplingParams
 
@@ -246,37 +254,27 @@ class DFlashDrafter(Drafter):
         from its own generator, as ``propose`` for that row alone would. ``num_drafts`` is shared
         or one per row; each row's proposal has its own γ (all-greedy rows, which use no
         randomness, are read out together at the longest γ and then cut)."""
-        per_row = num_drafts if isinstance(num_drafts, list) else [num_drafts or self.block_drafts] * len(states)
+        per_row, samplings, gens = row_settings(len(states), sampling, num_drafts, generators, self.block_drafts)
         gamma = max(per_row)
         if gamma > self.block_drafts:
             raise DrafterError(f"{self.cfg.name} drafts at most {self.block_drafts} tokens per block, asked {gamma}")
         ctxs = [self.propose_context(s) for s in states]  # per row: per layer (k, v) [1, h, L_r, d]
-        lens = torch.tensor([c[0][0].shape[2] for c in ctxs], device=last_tokens.device)  # [R]
-        width, bs, r = int(lens.max()), self.cfg.block_size, len(states)
-        context = []
-        for layer in range(len(ctxs[0])):
-            k0 = ctxs[0][layer][0]
-            keys = k0.new_zeros(r, k0.shape[1], width, k0.shape[3])
-            values = keys.clone()
-            for i, c in enumerate(ctxs):
-                keys[i, :, :c[layer][0].shape[2]] = c[layer][0][0]
-                values[i, :, :c[layer][1].shape[2]] = c[layer][1][0]
-            context.append((keys, values))
-        seen = torch.arange(width, device=lens.device)[None, :] < lens[:, None]  # [R, width]
+        bs, r = self.cfg.block_size, len(states)
+        padded = [pad_kv_rows([c[layer] for c in ctxs], last_tokens.device) for layer in range(len(ctxs[0]))]
+        context, seen = [kv for kv, _ in padded], padded[0][1]  # per layer [R, h, W, d]; [R, W]
+        width = seen.shape[1]
         mask = torch.cat([seen, seen.new_ones(r, bs)], dim=1)[:, None, None, :].expand(r, 1, bs, width + bs)
         ids = torch.full((r, bs), int(self.cfg.mask_token_id), dtype=torch.long, device=last_tokens.device)
         ids[:, 0] = last_tokens
         starts = torch.tensor([s.length for s in states], device=ids.device)
         positions = starts[:, None] + torch.arange(bs, device=ids.device)[None, :]  # [R, bs]
         z = self.backbone(self.embed(ids), positions, context, mask)[:, self.first_slot:self.first_slot + gamma]
-        samplings = sampling if isinstance(sampling, list) else [sampling] * r
         if all(is_greedy(s) for s in samplings):
             prop = self.sample_readout(z, last_tokens, samplings[0], None)
             conf = prop.confidences
             return [Proposal(prop.tokens[i:i + 1, :g], prop.logits[i:i + 1, :g], prop.probs[i:i + 1, :g],
                              conf[i:i + 1, :g] if conf is not None else None, z[i:i + 1, :g])
                     for i, g in enumerate(per_row)]
-        gens = generators if generators is not None else [None] * r
         props = [self.sample_readout(z[i:i + 1, :per_row[i]], last_tokens[i:i + 1], samplings[i], gens[i])
                  for i in range(r)]
         for i, prop in enumerate(props):

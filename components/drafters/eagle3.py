@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from components.config import DrafterConfig
 from components.drafters.base import (
     DEFAULT_SAMPLING,
+    GREEDY,
     DraftBatch,
     Drafter,
     DrafterSpec,
@@ -29,16 +30,23 @@ from components.drafters.base import (
     Proposal,
     SharedParts,
     gather_positions,
+    row_settings,
     rows_at_anchors,
     sample_rows,
     sample_tokens,
     spread_layer_ids,
 )
-from components.drafters.layers import KV, MLP, Attention, RMSNorm, causal_mask, init_weights
+from components.drafters.layers import (
+    KV,
+    MLP,
+    Attention,
+    RMSNorm,
+    causal_mask,
+    init_weights,
+    pad_kv_rows,
+)
 from components.drafters.registry import register_drafter
 from components.spec.sampling import SamplingParams
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 class Eagle3Layer(nn.Module):
@@ -180,10 +188,8 @@ class Eagle3Drafter(Drafter):
         each row draws from its own generator (``generators``) only at its own γ steps, so its
         tokens are the ones ``propose`` would draw for it alone."""
         r, dev = len(states), last_tokens.device
-        per_row = num_drafts if isinstance(num_drafts, list) else [num_drafts or self.num_drafts] * r
-        samplings = sampling if isinstance(sampling, list) else [sampling] * r
-        gens = generators if generators is not None else [None] * r
-        past, seen = self._padded_context(states, dev)  # (k, v) [R, h, W, d] | None, [R, W] bool
+        per_row, samplings, gens = row_settings(r, sampling, num_drafts, generators, self.num_drafts)
+        past, seen = pad_kv_rows([s.kv[0] if s.kv else None for s in states], dev)  # [R, h, W, d], [R, W]
         zeros = torch.zeros(1, 1, self.sizes.hidden_size, device=dev, dtype=self.fc.weight.dtype)
         g = torch.cat([s.feats[:, -1:] if s.feats is not None else zeros for s in states])  # [R, 1, H]
         pos = torch.tensor([s.length for s in states], device=dev)[:, None]  # [R, 1]
@@ -203,19 +209,3 @@ class Eagle3Drafter(Drafter):
         tokens_t, logits_t, probs_t = torch.stack(tokens, 1), torch.stack(logits_out, 1), torch.stack(probs_out, 1)
         return [Proposal(tokens_t[i:i + 1, :n], logits_t[i:i + 1, :n], probs_t[i:i + 1, :n], None)
                 for i, n in enumerate(per_row)]
-
-    def _padded_context(self, states: list[DraftState], dev: torch.device) -> tuple[KV | None, Tensor]:
-        """The rows' committed step-0 K/V, right-padded: (k, v) [R, h, W, d] (None if no row has
-        any) and which slots are real [R, W]."""
-        lens = [s.kv[0][0].shape[2] if s.kv else 0 for s in states]
-        width = max(lens)
-        seen = torch.arange(width, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
-        if width == 0:
-            return None, seen
-        k0 = next(s.kv[0][0] for s in states if s.kv)
-        keys = k0.new_zeros(len(states), k0.shape[1], width, k0.shape[3])
-        values = keys.clone()
-        for i, s in enumerate(states):
-            if s.kv:
-                keys[i, :, :lens[i]], values[i, :, :lens[i]] = s.kv[0][0][0], s.kv[0][1][0]
-        return (keys, values), seen

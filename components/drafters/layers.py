@@ -146,6 +146,23 @@ class DecoderLayer(nn.Module):
         return x, (k, v)
 
 
+def pad_kv_rows(rows: list[KV | None], device: torch.device) -> tuple[KV | None, Tensor]:
+    """Batch-1 K/V of many rows ([1, h_kv, L_i, d] each; None: none yet), right-padded to the
+    longest → ((k, v) [R, h_kv, W, d], or None when no row has any; which slots are real [R, W])."""
+    lens = [kv[0].shape[2] if kv is not None else 0 for kv in rows]
+    width = max(lens)
+    seen = torch.arange(width, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+    if width == 0:
+        return None, seen
+    k0 = next(kv[0] for kv in rows if kv is not None)
+    keys = k0.new_zeros(len(rows), k0.shape[1], width, k0.shape[3])
+    values = keys.clone()
+    for i, kv in enumerate(rows):
+        if kv is not None:
+            keys[i, :, :lens[i]], values[i, :, :lens[i]] = kv[0][0], kv[1][0]
+    return (keys, values), seen
+
+
 def causal_mask(t: int, device: torch.device) -> Tensor:  # -> [1, 1, t, t] bool
     return torch.ones(t, t, dtype=torch.bool, device=device).tril().view(1, 1, t, t)
 

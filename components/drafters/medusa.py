@@ -28,6 +28,7 @@ from components.drafters.base import (
     Proposal,
     SharedParts,
     is_greedy,
+    row_settings,
     rows_at_anchors,
     sample_tokens,
 )
@@ -112,9 +113,7 @@ class MedusaDrafter(Drafter):
         if any(s.feats is None for s in states):
             raise DrafterError("medusa needs at least one consumed position before proposing")
         r = len(states)
-        per_row = num_drafts if isinstance(num_drafts, list) else [num_drafts or self.num_drafts] * r
-        samplings = sampling if isinstance(sampling, list) else [sampling] * r
-        gens = generators if generators is not None else [None] * r
+        per_row, samplings, gens = row_settings(r, sampling, num_drafts, generators, self.num_drafts)
         logits = self._heads(torch.cat([s.feats[:, -1] for s in states]), max(per_row))  # [R, γ, V]
         if all(is_greedy(s) for s in samplings):  # no randomness: one argmax, then each row's γ
             tokens, probs = sample_tokens(logits, samplings[0], None)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from components.config import DrafterConfig
 from components.drafters.base import (
     DEFAULT_SAMPLING,
+    GREEDY,
     DraftBatch,
     Drafter,
     DrafterSpec,
@@ -29,11 +30,20 @@ from components.drafters.base import (
     Proposal,
     SharedParts,
     gather_positions,
+    row_settings,
     rows_at_anchors,
+    sample_rows,
     sample_tokens,
 )
 from components.drafters.eagle3 import shift_right
-from components.drafters.layers import KV, DecoderLayer, RMSNorm, causal_mask, init_weights
+from components.drafters.layers import (
+    KV,
+    DecoderLayer,
+    RMSNorm,
+    causal_mask,
+    init_weights,
+    pad_kv_rows,
+)
 from components.drafters.registry import register_drafter
 from components.spec.sampling import SamplingParams
 
@@ -143,6 +153,37 @@ class MTPDrafter(Drafter):
             out_logits.append(logits)
             out_probs.append(probs)
         return Proposal(torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(out_probs, 1), None)
+
+    @torch.no_grad()
+    def propose_many(self, states: list[DraftState], last_tokens: Tensor,
+                     sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None = None,
+                     generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+        """``propose`` for many batch-1 states at once (the batch engine's rows): each draft step
+        is one module pass over all rows, each module's committed K/V right-padded to the
+        longest and masked. ``sampling`` and ``num_drafts`` shared or one per row; each row draws
+        from its own generator only at its own γ steps, as ``propose`` would for it alone."""
+        r, dev, hsz = len(states), last_tokens.device, self.sizes.hidden_size
+        per_row, samplings, gens = row_settings(r, sampling, num_drafts, generators, self.num_drafts)
+        committed = [pad_kv_rows([s.kv[m] if s.kv else None for s in states], dev) for m in range(len(self.layers))]
+        zeros = torch.zeros(1, 1, hsz, device=dev, dtype=self.layers[0].eh_proj.weight.dtype)
+        g = torch.cat([s.feats[:, -1:, :hsz] if s.feats is not None else zeros for s in states])  # [R, 1, H]
+        pos = torch.tensor([s.length for s in states], device=dev)[:, None]  # [R, 1]
+        temps: dict[int, KV] = {}
+        tok, out_tokens, out_logits, out_probs = last_tokens, [], [], []
+        for step in range(max(per_row)):
+            m = min(step, len(self.layers) - 1)
+            (past, seen), own = committed[m], temps.get(m)
+            mask = torch.cat([seen, seen.new_ones(r, (own[0].shape[2] if own else 0) + 1)], 1)[:, None, None, :]
+            g, kv = self.layers[m](self.embed(tok.unsqueeze(1)), g, pos + step, _concat_kv(past, own), mask)
+            temps[m] = _concat_kv(own, kv)
+            logits = self.lm_head(self.layers[m].norm(g[:, 0]))  # [R, V]
+            tok, probs = sample_rows(logits, [s if step < n else GREEDY for s, n in zip(samplings, per_row)], gens)
+            out_tokens.append(tok)
+            out_logits.append(logits)
+            out_probs.append(probs)
+        tokens, logits, probs = torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(out_probs, 1)
+        return [Proposal(tokens[i:i + 1, :n], logits[i:i + 1, :n], probs[i:i + 1, :n], None)
+                for i, n in enumerate(per_row)]
 
 
 def _concat_kv(a: KV | None, b: KV | None) -> KV | None:

@@ -23,9 +23,9 @@ order as ``SpeculativeEngine.generate`` would for that request alone, so a reque
 does not depend on what else is in the batch (greedy: equal to the target's own greedy output).
 
 Each request keeps a batch-1 drafter state. Drafters with ``propose_many`` (block drafters and
-Medusa: one pass; EAGLE-3: one pass per draft step) serve all single-stage rows together, greedy or
-sampled, and ``consume_many`` updates them in one call (``batch_draft.py``); DLoop rows and
-other drafters propose one by one (a loop over requests, not tokens). The verify pass and the
+Medusa: one pass; EAGLE-3 and MTP: one pass per draft step) serve all single-stage rows together, greedy or
+sampled, and ``consume_many`` updates them in one call (``batch_draft.py``); DLoop rows
+propose one by one (a loop over requests, not tokens). The verify pass and the
 target cache are batched. Chains, and a token tree for a lone request (``batch_tree.py``).
 This module knows the engine protocol of drafters and the rules; nothing about tokenization,
 HTTP or asyncio (``async_engine.py`` streams on top of ``step``).

@@ -1,4 +1,4 @@
-"""Batched proposals of EAGLE-3 and Medusa: ``propose_many`` over rows of different context
+"""Batched proposals of EAGLE-3, Medusa and MTP: ``propose_many`` over rows of different context
 lengths, each with its own γ, sampling and generator, gives each row what ``propose`` gives it
 alone; the batch engine uses it and stays lossless."""
 
@@ -12,6 +12,7 @@ from components.engine.batch import BatchEngine, Request
 from components.spec.sampling import SamplingParams
 from tests.components.drafters.conftest import make_drafter
 
+KINDS = [("eagle3", {}), ("medusa", {}), ("mtp", {"mtp_depth": 2})]  # MTP: steps past depth 2 reuse module 1
 TEXTS = ["def main(args):\n    ", "x = 1", "class Foo:\n    def __init__(self", "import os\nimport sys\n"]
 
 
@@ -25,9 +26,9 @@ def row_states(target, drafter) -> tuple[list, list[int]]:
     return states, last
 
 
-@pytest.mark.parametrize("name", ["eagle3", "medusa"])
-def test_propose_many_equals_propose_per_row(tiny_target, name):
-    drafter = make_drafter(tiny_target, name, num_layers=1)
+@pytest.mark.parametrize("name, extra", KINDS)
+def test_propose_many_equals_propose_per_row(tiny_target, name, extra):
+    drafter = make_drafter(tiny_target, name, num_layers=1, **extra)
     states, last = row_states(tiny_target, drafter)
     gammas = [3, 1, 4, 2]
     greedy = SamplingParams(temperature=0.0)
@@ -47,9 +48,9 @@ def test_propose_many_equals_propose_per_row(tiny_target, name):
         assert torch.equal(gens[i].get_state(), alone.get_state())  # drawn from as often as propose() draws
 
 
-@pytest.mark.parametrize("name", ["eagle3", "medusa"])
-def test_batch_engine_with_rows_proposed_together(tiny_target, name):
-    drafter = make_drafter(tiny_target, name, num_layers=1)
+@pytest.mark.parametrize("name, extra", KINDS)
+def test_batch_engine_with_rows_proposed_together(tiny_target, name, extra):
+    drafter = make_drafter(tiny_target, name, num_layers=1, **extra)
     prompts = [tiny_target.tokenizer(t)["input_ids"] for t in TEXTS]
     refs = [target_only_generate(tiny_target, p, 14).tokens for p in prompts]
     calls = [0]
