@@ -22,11 +22,12 @@ Per-request randomness (a generator and a Gumbel seed per request) is consumed i
 order as ``SpeculativeEngine.generate`` would for that request alone, so a request's output
 does not depend on what else is in the batch (greedy: equal to the target's own greedy output).
 
-Each request keeps a batch-1 drafter state. Drafters with ``propose_many`` (block drafters and
-Medusa: one pass; EAGLE-3 and MTP: one pass per draft step) serve all single-stage rows together, greedy or
-sampled, and ``consume_many`` updates them in one call (``batch_draft.py``); DLoop rows
-propose one by one (a loop over requests, not tokens). The verify pass and the
-target cache are batched. Chains, and a token tree for a lone request (``batch_tree.py``).
+Each request keeps a batch-1 drafter state. Drafters' ``propose_many`` (block drafters and
+Medusa: one pass; EAGLE-3 and MTP: one pass per draft step) serves all single-stage rows
+together, greedy or sampled, and ``consume_many`` updates them in one call
+(``batch_draft.py``); DLoop rows propose one by one (a loop over requests, not tokens). The
+verify pass and the target cache are batched. Chains, and a token tree for a lone request
+(``batch_tree.py``).
 This module knows the engine protocol of drafters and the rules; nothing about tokenization,
 HTTP or asyncio (``async_engine.py`` streams on top of ``step``).
 """
