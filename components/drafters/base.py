@@ -190,6 +190,35 @@ def sample_rows(logits: Tensor, samplings: list[SamplingParams],
     return torch.cat([t for t, _ in draws]), torch.cat([p for _, p in draws])
 
 
+class RowDraws:
+    """The draws of an autoregressive ``propose_many`` (one step over all rows at a time): each
+    step's logits [R, V] are sampled per row (``sample_rows``; a row past its own γ takes the
+    argmax, drawing nothing its batch-1 ``propose`` would not), and the steps are split back
+    into one ``Proposal`` [1, γ_i] per row."""
+
+    def __init__(self, samplings: list[SamplingParams], per_row: list[int],
+                 generators: list[torch.Generator | None]):
+        self.samplings, self.per_row, self.generators = samplings, per_row, generators
+        self.tokens: list[Tensor] = []  # per step [R]
+        self.logits: list[Tensor] = []  # per step [R, V]
+        self.probs: list[Tensor] = []  # per step [R, V]
+
+    def draw(self, logits: Tensor) -> Tensor:
+        """This step's logits [R, V] → the rows' tokens [R]."""
+        step = len(self.tokens)
+        rows = [s if step < n else GREEDY for s, n in zip(self.samplings, self.per_row)]
+        tokens, probs = sample_rows(logits, rows, self.generators)
+        self.tokens.append(tokens)
+        self.logits.append(logits)
+        self.probs.append(probs)
+        return tokens
+
+    def proposals(self) -> list[Proposal]:
+        tokens, logits, probs = torch.stack(self.tokens, 1), torch.stack(self.logits, 1), torch.stack(self.probs, 1)
+        return [Proposal(tokens[i:i + 1, :n], logits[i:i + 1, :n], probs[i:i + 1, :n], None)
+                for i, n in enumerate(self.per_row)]
+
+
 def block_tokens(
     batch: DraftBatch,
     anchors: Tensor,  # [B, A] long, -1 = unused

@@ -21,18 +21,17 @@ from torch import Tensor, nn
 from components.config import DrafterConfig
 from components.drafters.base import (
     DEFAULT_SAMPLING,
-    GREEDY,
     DraftBatch,
     Drafter,
     DrafterSpec,
     DraftState,
     DraftTrainOutput,
     Proposal,
+    RowDraws,
     SharedParts,
     gather_positions,
     row_settings,
     rows_at_anchors,
-    sample_rows,
     sample_tokens,
     spread_layer_ids,
 )
@@ -193,19 +192,11 @@ class Eagle3Drafter(Drafter):
         zeros = torch.zeros(1, 1, self.sizes.hidden_size, device=dev, dtype=self.fc.weight.dtype)
         g = torch.cat([s.feats[:, -1:] if s.feats is not None else zeros for s in states])  # [R, 1, H]
         pos = torch.tensor([s.length for s in states], device=dev)[:, None]  # [R, 1]
-        tok = last_tokens
-        tokens, logits_out, probs_out = [], [], []
+        tok, draws = last_tokens, RowDraws(samplings, per_row, gens)
         for step in range(max(per_row)):
             mask = torch.cat([seen, seen.new_ones(r, step + 1)], dim=1)[:, None, None, :]  # [R, 1, 1, W+s+1]
             x = self.midlayer.inputs(self.embed(tok.unsqueeze(1)), g)
             g, (k, v) = self.midlayer(x, g, pos + step, past, mask)
             past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)) if past is not None else (k, v)
-            logits = self.lm_head(self.norm(g[:, 0]))  # [R, V]
-            # rows past their own γ take the argmax: no draw their batch-1 propose would not make
-            tok, probs = sample_rows(logits, [s if step < n else GREEDY for s, n in zip(samplings, per_row)], gens)
-            tokens.append(tok)
-            logits_out.append(logits)
-            probs_out.append(probs)
-        tokens_t, logits_t, probs_t = torch.stack(tokens, 1), torch.stack(logits_out, 1), torch.stack(probs_out, 1)
-        return [Proposal(tokens_t[i:i + 1, :n], logits_t[i:i + 1, :n], probs_t[i:i + 1, :n], None)
-                for i, n in enumerate(per_row)]
+            tok = draws.draw(self.lm_head(self.norm(g[:, 0])))  # logits [R, V] → tokens [R]
+        return draws.proposals()

@@ -21,18 +21,17 @@ from torch import Tensor, nn
 from components.config import DrafterConfig
 from components.drafters.base import (
     DEFAULT_SAMPLING,
-    GREEDY,
     DraftBatch,
     Drafter,
     DrafterSpec,
     DraftState,
     DraftTrainOutput,
     Proposal,
+    RowDraws,
     SharedParts,
     gather_positions,
     row_settings,
     rows_at_anchors,
-    sample_rows,
     sample_tokens,
 )
 from components.drafters.eagle3 import shift_right
@@ -169,21 +168,15 @@ class MTPDrafter(Drafter):
         g = torch.cat([s.feats[:, -1:, :hsz] if s.feats is not None else zeros for s in states])  # [R, 1, H]
         pos = torch.tensor([s.length for s in states], device=dev)[:, None]  # [R, 1]
         temps: dict[int, KV] = {}
-        tok, out_tokens, out_logits, out_probs = last_tokens, [], [], []
+        tok, draws = last_tokens, RowDraws(samplings, per_row, gens)
         for step in range(max(per_row)):
             m = min(step, len(self.layers) - 1)
             (past, seen), own = committed[m], temps.get(m)
             mask = torch.cat([seen, seen.new_ones(r, (own[0].shape[2] if own else 0) + 1)], 1)[:, None, None, :]
             g, kv = self.layers[m](self.embed(tok.unsqueeze(1)), g, pos + step, _concat_kv(past, own), mask)
             temps[m] = _concat_kv(own, kv)
-            logits = self.lm_head(self.layers[m].norm(g[:, 0]))  # [R, V]
-            tok, probs = sample_rows(logits, [s if step < n else GREEDY for s, n in zip(samplings, per_row)], gens)
-            out_tokens.append(tok)
-            out_logits.append(logits)
-            out_probs.append(probs)
-        tokens, logits, probs = torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(out_probs, 1)
-        return [Proposal(tokens[i:i + 1, :n], logits[i:i + 1, :n], probs[i:i + 1, :n], None)
-                for i, n in enumerate(per_row)]
+            tok = draws.draw(self.lm_head(self.layers[m].norm(g[:, 0])))  # logits [R, V] → tokens [R]
+        return draws.proposals()
 
 
 def _concat_kv(a: KV | None, b: KV | None) -> KV | None:
