@@ -356,7 +356,7 @@ class AdaptiveDraftLength:
         _, raw = self._last
         if not drafted or len(drafted) != raw.shape[0]:
             return  # rows changed between cap and observe: skip rather than misalign
-        cond = _conditional(raw.double().clamp(0, 1).cummin(dim=-1).values)
+        cond = _conditional(raw)  # raw: clamped and non-increasing already (``cap``)
         gamma = max(drafted)
         while len(self.predicted_hits) < gamma:
             self.predicted_hits.append(0.0)
