@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +37,9 @@ from components.config import DrafterConfig
 from components.drafters.layers import KV, LayerSizes
 from components.losses.common import LossInputs
 from components.spec.sampling import SamplingParams, probs_from_logits
+
+if TYPE_CHECKING:
+    from components.drafters.capabilities import Capability
 
 DEFAULT_SAMPLING = SamplingParams()  # temperature 1, no top-k/top-p
 GREEDY = SamplingParams(temperature=0.0)  # the argmax, no randomness
@@ -349,6 +352,11 @@ class Drafter(nn.Module, ABC):
         """Dependent drafter network passes one round of γ drafts costs (heads excluded)."""
 
     # -- shared behaviour
+    def capabilities(self) -> frozenset[Capability]:
+        """What this drafter can do beyond the core interface (``drafters.capabilities``);
+        features check it with ``require``/``has`` instead of probing attributes."""
+        return frozenset()
+
     def init_state(self, batch_size: int) -> DraftState:
         return DraftState()
 
@@ -363,11 +371,6 @@ class Drafter(nn.Module, ABC):
     def consume_own(self, state: DraftState, states: Tensor) -> DraftState:
         """DLoop: appends the drafter's own states [B, k, H] of unverified positions as context."""
         raise DrafterError(f"drafter '{self.cfg.name}' cannot use its own states as context (DLoop)")
-
-    @property
-    def supports_carryover(self) -> bool:
-        """Whether ``with_carry`` works (the drafter has a carryover embedding)."""
-        return False
 
     def with_carry(self, state: DraftState, hidden_rej: Tensor, start_position: int) -> DraftState:
         """Carryover: the state plus temporary context rows from the target taps hidden_rej

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from components.config import DrafterConfig
+from components.drafters.capabilities import Capability
 from components.drafters.base import (
     DEFAULT_SAMPLING,
     DraftBatch,
@@ -290,15 +291,18 @@ class DFlashDrafter(Drafter):
             return state.carry
         return [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(state.kv, state.carry)]
 
-    @property
-    def supports_carryover(self) -> bool:
-        return getattr(self, "carry_embed", None) is not None
+    def capabilities(self) -> frozenset[Capability]:
+        caps = {Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.OWN_CONTEXT,
+                Capability.BLOCK_INTERNALS}
+        if self.cfg.carryover:  # carry_embed exists only then
+            caps.add(Capability.CARRYOVER)
+        return frozenset(caps)
 
     def with_carry(self, state: DraftState, hidden_rej: Tensor, start_position: int) -> DraftState:
         """Carryover rows from the target taps hidden_rej [B, k, n, H] of rejected drafts:
         ``features_kv(fuse(hidden_rej + E_carry))`` at positions start_position..+k-1, exactly as
         the carryover objective builds them; any earlier carry is replaced, k = 0 clears it."""
-        if not self.supports_carryover:
+        if Capability.CARRYOVER not in self.capabilities():
             raise DrafterError(f"drafter '{self.cfg.name}' has no carryover embedding: build or load it with "
                                "drafter.carryover=true (and train it with the 'carryover' objective)")
         b, k, n, h = hidden_rej.shape

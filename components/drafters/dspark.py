@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from components.drafters.capabilities import Capability
 from components.drafters.base import DrafterError, DrafterSpec, Proposal, SharedParts, sample_tokens
 from components.drafters.dflash import DFlashDrafter
 from components.drafters.layers import init_weights
@@ -142,6 +143,12 @@ class DSparkDrafter(DFlashDrafter):
         c = self._confidence(z, torch.stack(prevs, dim=1))  # [B, γ] in one call, after the draws
         confidences = torch.sigmoid(c) if c is not None else None
         return Proposal(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1), confidences)
+
+    def capabilities(self) -> frozenset[Capability]:
+        caps = set(super().capabilities()) | {Capability.SLOT_HEADS}
+        if self.markov_head is not None:  # the tree head's path dependence is the Markov bias
+            caps.add(Capability.CAUSAL_TREE_HEAD)
+        return frozenset(caps)
 
     def causal_tree_head(self, z: Tensor):  # z [γ, H] one proposal's slot states -> CausalHead
         """DominoTree's path-dependent scores (``spec.trees.build_causal_trees``): a node at depth

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from components.config import DrafterConfig
+from components.drafters.capabilities import Capability
 from components.drafters.base import (
     DEFAULT_SAMPLING,
     DraftBatch,
@@ -178,6 +179,9 @@ class Eagle3Drafter(Drafter):
         return Proposal(torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(out_probs, 1), None)
 
     @torch.no_grad()
+    def capabilities(self) -> frozenset[Capability]:
+        return frozenset({Capability.BATCHED_PROPOSE})
+
     def propose_many(self, states: list[DraftState], last_tokens: Tensor,
                      sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None = None,
                      generators: list[torch.Generator | None] | None = None) -> list[Proposal]:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from components.config import DrafterConfig
+from components.drafters.capabilities import Capability
 from components.drafters.base import (
     DEFAULT_SAMPLING,
     DraftBatch,
@@ -103,6 +104,9 @@ class MedusaDrafter(Drafter):
         logits = self._heads(state.feats[:, -1], num_drafts or self.num_drafts)  # [B, γ, V]
         tokens, probs = sample_tokens(logits, sampling, generator)
         return Proposal(tokens, logits, probs, None)
+
+    def capabilities(self) -> frozenset[Capability]:
+        return frozenset({Capability.BATCHED_PROPOSE})
 
     def propose_many(self, states: list[DraftState], last_tokens: Tensor,
                      sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None = None,

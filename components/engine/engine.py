@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal
+from components.drafters.capabilities import Capability, require
 from components.engine.kv_slab import preallocate
 from components.engine.rules import RoundRandomness, Rule, get_rule
 from components.spec.sampling import SamplingParams
@@ -66,7 +67,7 @@ class EngineDrafter(Protocol):
     def propose(self, state: Any, last_token: Tensor, sampling: SamplingParams = ...,
                 generator: torch.Generator | None = ..., num_drafts: int | None = ...) -> Proposal: ...
 
-    # Optional: ``consume_own`` (DLoop, loop_stages > 1); ``supports_carryover`` and
+    # Optional: ``consume_own`` (DLoop, loop_stages > 1); ``Capability.CARRYOVER`` and
     # ``with_carry(state, hidden_rejected [1, k, n, H], start_position)`` (carryover=True).
 
 
@@ -157,10 +158,9 @@ class SpeculativeEngine:
         if loop_stages < 1:
             raise ValueError(f"loop_stages must be >= 1, got {loop_stages}")
         self.loop_stages, self.loop_gate = int(loop_stages), float(loop_gate)
-        if carryover and not getattr(drafter, "supports_carryover", False):
-            name = getattr(getattr(drafter, "cfg", None), "name", type(drafter).__name__)
-            raise ValueError(f"carryover=True: drafter '{name}' cannot read rejected target states; it needs a "
-                             "block drafter (dflash, dspark) built with drafter.carryover=true")
+        if carryover:
+            require(drafter, "engine carryover=True", Capability.CARRYOVER,
+                    hint="a block drafter (dflash, dspark) built with drafter.carryover=true has it")
         self.carryover = bool(carryover)
 
     # ------------------------------------------------------------------ steps

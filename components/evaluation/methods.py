@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from components.config import ConfigError, EvalConfig
+from components.drafters.capabilities import Capability, has
 from components.engine import (
     RULES,
     PromptLookupDrafter,
@@ -89,7 +90,7 @@ def _trained(ctx: EvalContext, method: str) -> Any:
     if ctx.drafter is None:
         raise ConfigError(f"eval.drafter_path: method '{method}' needs a trained drafter; set "
                           "eval.drafter_path or run the train stage first (or drop it from eval.methods)")
-    if ctx.ev.carryover and not getattr(ctx.drafter, "supports_carryover", False):
+    if ctx.ev.carryover and not has(ctx.drafter, Capability.CARRYOVER):
         raise ConfigError(f"eval.carryover: the drafter '{ctx.drafter.cfg.name}' was not trained with the "
                           "carryover objective (no carryover embedding); set eval.carryover=false")
     return ctx.drafter

@@ -1,0 +1,133 @@
+"""What a drafter can do beyond the core interface, declared once and checked by name.
+
+The core interface (:class:`components.drafters.base.Drafter`: ``init_state``, ``consume``,
+``propose``, ``rollback``, ``training_forward``) is what every drafter has. The features below
+need more, and a drafter says which it has in ``Drafter.capabilities()`` (a class may make it
+depend on its config, e.g. carryover exists only when the drafter was built with
+``drafter.carryover=true``). Engines, objectives and exporters never probe attributes
+(``hasattr``/``isinstance``): a feature that needs a capability calls :func:`require` when it is
+built, which fails with the drafter's name and the missing capability; a fast path that is
+optional asks :func:`has`.
+
+Each capability names the methods it stands for; the Protocols below give their signatures,
+and ``tests/components/drafters/test_drafters_capabilities.py`` checks every registered drafter
+implements what it declares.
+
+This module knows nothing about particular drafter families, engines or objectives.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch import Tensor
+
+from components.drafters.base import DrafterError
+
+if TYPE_CHECKING:
+    import torch
+
+    from components.drafters.base import DraftBatch, DraftState, DraftTrainOutput, Proposal
+    from components.drafters.layers import KV
+    from components.spec.sampling import SamplingParams
+
+
+class Capability(str, Enum):
+    """One optional ability of a drafter; the value is its name in error messages."""
+
+    BATCHED_PROPOSE = "batched_propose"  # propose_many: one draft pass over many rows' states
+    BATCHED_CONSUME = "batched_consume"  # consume_many: one context pass over many rows' states
+    OWN_CONTEXT = "own_context"  # consume_own + Proposal.states: DLoop's later stages
+    CARRYOVER = "carryover"  # with_carry: the next draft reads the rejected drafts' target states
+    CAUSAL_TREE_HEAD = "causal_tree_head"  # causal_tree_head: path-dependent scores for token trees
+    BLOCK_INTERNALS = "block_internals"  # BlockInternals: the block backbone the objectives unroll
+    SLOT_HEADS = "slot_heads"  # markov_head / confidence_head modules the exporters write
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The attributes a drafter declaring this capability must have."""
+        return _METHODS[self]
+
+
+_METHODS: dict[Capability, tuple[str, ...]] = {
+    Capability.BATCHED_PROPOSE: ("propose_many",),
+    Capability.BATCHED_CONSUME: ("consume_many",),
+    Capability.OWN_CONTEXT: ("consume_own",),
+    Capability.CARRYOVER: ("with_carry", "carry_embed"),
+    Capability.CAUSAL_TREE_HEAD: ("causal_tree_head",),
+    Capability.BLOCK_INTERNALS: ("backbone", "block_drafts", "target_context", "block_states",
+                                 "draft_states", "block_output", "sample_readout", "train_readout"),
+    Capability.SLOT_HEADS: ("markov_head", "confidence_head"),
+}
+
+
+class CapabilityError(DrafterError):
+    """A feature was asked of a drafter that does not declare what the feature needs."""
+
+
+def has(drafter: Any, capability: Capability) -> bool:
+    """Whether ``drafter`` declares ``capability`` (for optional fast paths)."""
+    return capability in drafter.capabilities()
+
+
+def require(drafter: Any, feature: str, *capabilities: Capability, hint: str = "") -> None:
+    """Raises :class:`CapabilityError` naming the feature, the drafter and each missing capability.
+
+    Call it where the feature is built (an engine's or objective's constructor), not in a round."""
+    missing = [c.value for c in capabilities if c not in drafter.capabilities()]
+    if missing:
+        name = getattr(getattr(drafter, "cfg", None), "name", type(drafter).__name__)
+        declared = ", ".join(sorted(c.value for c in drafter.capabilities())) or "none"
+        raise CapabilityError(f"{feature} needs capability {', '.join(missing)}; drafter '{name}' "
+                              f"({type(drafter).__name__}) declares: {declared}" + (f". {hint}" if hint else ""))
+
+
+# ----------------------------------------------------------------------------- signatures
+class BatchedPropose(Protocol):
+    def propose_many(self, states: list[DraftState], last_tokens: Tensor,  # last_tokens [R] long
+                     sampling: SamplingParams | list[SamplingParams],
+                     num_drafts: int | list[int] | None = None,
+                     generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+        """One proposal [1, γ_i] per row, each equal to ``propose`` on that row alone."""
+
+
+class BatchedConsume(Protocol):
+    def consume_many(self, states: list[DraftState], tokens: list[Tensor],  # each [1, T_i] long
+                     hidden: list[Tensor]) -> list[DraftState]:  # each [1, T_i, n, H]
+        """``consume`` per row, in one pass."""
+
+
+class OwnContext(Protocol):
+    def consume_own(self, state: DraftState, states: Tensor) -> DraftState:  # states [B, k, H]
+        """DLoop: the drafter's own slot states of unverified positions become context."""
+
+
+class Carryover(Protocol):
+    carry_embed: Tensor  # [n·H]
+
+    def with_carry(self, state: DraftState, hidden_rej: Tensor,  # hidden_rej [B, k, n, H]
+                   start_position: int) -> DraftState:
+        """The state plus one round's context rows from the rejected drafts' target taps."""
+
+
+class CausalTreeHead(Protocol):
+    def causal_tree_head(self, z: Tensor) -> Any:  # z [γ, H] -> spec.trees CausalHead
+        """Path-dependent child scores read from one proposal's slot states."""
+
+
+class BlockInternals(Protocol):
+    """The block backbone as the DLoop and carryover objectives unroll it (DFlash family)."""
+
+    backbone: Any  # BlockBackbone: fc, fuse, features_kv, context_kv
+    block_drafts: int  # draft slots per block
+
+    def target_context(self, hidden: Tensor) -> list[KV]: ...  # taps [B, T, n, H] -> K/V per layer
+    def block_states(self, input_ids: Tensor, anchors: Tensor, context: list[KV],
+                     visible: Tensor) -> Tensor: ...  # -> z [B, A, bs, H]
+    def draft_states(self, z: Tensor) -> Tensor: ...  # [B, A, bs, H] -> [B, A, γ, H]
+    def block_output(self, batch: DraftBatch, anchors: Tensor, z: Tensor,
+                     targets: bool = True) -> DraftTrainOutput: ...
+    def train_readout(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]: ...
+    def sample_readout(self, z: Tensor, last_token: Tensor, sampling: SamplingParams,
+                       generator: torch.Generator | None) -> Proposal: ...
