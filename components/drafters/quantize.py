@@ -1,10 +1,9 @@
 """An int8 copy of the target's LM head for a drafter's readout, on CPU.
 
 A block drafter reads out γ slots through the target's frozen LM head, [γ, H] × [H, V]. On
-CPU that fp32 matrix product is most of a small drafter's cost (on the 2-core AMD box the
-README measures, 2.9 ms for γ = 7, V = 8192, H = 256; 0.3 ms in int8 with fbgemm). Drafts need
-not be exact: the target verifies them with its own fp32 head, so output stays lossless and
-only acceptance can change (README: measured). ``int8_lm_head`` gives the drafter its own
+CPU that fp32 matrix product can be most of a small drafter's cost (``docs/results.md`` has the
+measurements). Drafts need not be exact: the target verifies them with its own fp32 head, so
+output stays lossless and only acceptance can change. ``int8_lm_head`` gives the drafter its own
 dynamically quantized copy (per-channel int8 weights, int8 activations per call); the target's
 head, and training, are untouched.
 

@@ -6,8 +6,8 @@ KV head ``num_key_value_groups`` times (``repeat_kv``) whenever a mask is given 
 query token is new, which is every verify pass of a speculative batch (ragged rows need a mask;
 each row brings x_{n-1} and its drafts). That copy is the whole KV cache of every layer, each
 round. ``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)`` reads the KV
-heads in place; its output is bit-identical on CPU (``tests/components/target/test_attention.py``),
-and at 16 rows × 2 new tokens the tiny target's verify pass drops from 50 to 41 ms on one core.
+heads in place; its output is bit-identical on CPU (``tests/components/target/test_attention.py``)
+and it saves the copy (``docs/results.md`` has the timing).
 Transformers keeps ``repeat_kv`` for masked passes on CUDA because the masked GQA kernel there
 falls back to the math path, so ``attention = "auto"`` takes this kernel on CPU only.
 
