@@ -36,13 +36,12 @@ from torch import Tensor, nn
 from components.config import DrafterConfig
 from components.drafters.layers import KV, LayerSizes
 from components.losses.common import LossInputs
-from components.spec.sampling import SamplingParams, probs_from_logits
+from components.spec.sampling import GREEDY, SamplingParams, probs_from_logits
 
 if TYPE_CHECKING:
     from components.drafters.capabilities import Capability
 
 DEFAULT_SAMPLING = SamplingParams()  # temperature 1, no top-k/top-p
-GREEDY = SamplingParams(temperature=0.0)  # the argmax, no randomness
 LAYER_ID_CONVENTION = "layer i = output of decoder layer i (0-based) = HF hidden_states[i+1]"
 
 

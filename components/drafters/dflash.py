@@ -24,7 +24,6 @@ import torch
 from torch import Tensor, nn
 
 from components.config import DrafterConfig
-from components.drafters.capabilities import Capability
 from components.drafters.base import (
     DEFAULT_SAMPLING,
     DraftBatch,
@@ -41,6 +40,7 @@ from components.drafters.base import (
     row_settings,
     sample_tokens,
 )
+from components.drafters.capabilities import Capability
 from components.drafters.layers import (
     KV,
     DecoderLayer,

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from components.drafters.capabilities import Capability
 from components.drafters.base import DrafterError, DrafterSpec, Proposal, SharedParts, sample_tokens
+from components.drafters.capabilities import Capability
 from components.drafters.dflash import DFlashDrafter
 from components.drafters.layers import init_weights
 from components.drafters.registry import register_drafter

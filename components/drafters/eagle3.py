@@ -19,7 +19,6 @@ import torch
 from torch import Tensor, nn
 
 from components.config import DrafterConfig
-from components.drafters.capabilities import Capability
 from components.drafters.base import (
     DEFAULT_SAMPLING,
     DraftBatch,
@@ -36,6 +35,7 @@ from components.drafters.base import (
     sample_tokens,
     spread_layer_ids,
 )
+from components.drafters.capabilities import Capability
 from components.drafters.layers import (
     KV,
     MLP,

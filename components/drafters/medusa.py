@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from components.config import DrafterConfig
-from components.drafters.capabilities import Capability
 from components.drafters.base import (
     DEFAULT_SAMPLING,
     DraftBatch,
@@ -33,6 +32,7 @@ from components.drafters.base import (
     rows_at_anchors,
     sample_tokens,
 )
+from components.drafters.capabilities import Capability
 from components.drafters.eagle3 import shift_right
 from components.drafters.registry import register_drafter
 from components.spec.sampling import SamplingParams

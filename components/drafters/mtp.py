@@ -19,7 +19,6 @@ import torch
 from torch import Tensor, nn
 
 from components.config import DrafterConfig
-from components.drafters.capabilities import Capability
 from components.drafters.base import (
     DEFAULT_SAMPLING,
     DraftBatch,
@@ -35,6 +34,7 @@ from components.drafters.base import (
     rows_at_anchors,
     sample_tokens,
 )
+from components.drafters.capabilities import Capability
 from components.drafters.eagle3 import shift_right
 from components.drafters.layers import (
     KV,

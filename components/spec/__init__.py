@@ -12,7 +12,12 @@ Knows nothing about models, KV caches, Ray or tokenizers: tensors of ids and dis
 decisions out.
 """
 
-from components.spec.sampling import SamplingParams, log_probs_from_logits, probs_from_logits
+from components.spec.sampling import (
+    GREEDY,
+    SamplingParams,
+    log_probs_from_logits,
+    probs_from_logits,
+)
 from components.spec.tree_verify import (
     TreeVerifyResult,
     verify_tree_greedy,
@@ -36,6 +41,7 @@ from components.spec.verify import (
 )
 
 __all__ = [
+    "GREEDY",
     "FlatTree",
     "SamplingParams",
     "TokenTree",

@@ -46,6 +46,8 @@ class SamplingParams:
     top_p: float | Tensor = 1.0        # scalar or [B]; 1.0 = off
 
 
+GREEDY = SamplingParams(temperature=0.0)  # the argmax, no randomness (the one shared constant)
+
 def _per_row(value: float | Tensor, logits: Tensor) -> Tensor:
     """Broadcast a scalar or [B] setting to logits [B, ..., V] as [B, 1, ..., 1]."""
     t = torch.as_tensor(value, device=logits.device)

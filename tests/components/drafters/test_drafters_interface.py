@@ -8,11 +8,10 @@ import torch
 from components.config import DrafterConfig
 from components.drafters import DRAFTERS, DrafterError, build_drafter, spread_layer_ids
 from components.drafters.eagle3 import eagle3_layer_ids
-from components.spec.sampling import SamplingParams
+from components.spec.sampling import GREEDY, SamplingParams
 
 NAMES = ["dspark", "dflash", "eagle3", "medusa", "mtp"]
 
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def test_registry_holds_every_family():
