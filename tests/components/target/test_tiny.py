@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from components.target import pretrain, quality
-from tests.conftest import FIXTURE_TINY
 from components.target.tiny import INFO_FILE, cache_key, ensure_tiny_target, tiny_target_dir
+from tests.conftest import FIXTURE_TINY
 
 
 def test_build_writes_a_complete_checkpoint_with_metrics(tiny_target_build):
