@@ -21,6 +21,9 @@ speedup is a ratio of two timings that must share one quiet process. The vLLM pe
 (``vllm_*``, opt-in) are the exception: vLLM lives in its own environment, so they run in one
 vLLM subprocess after ours (``components.evaluation.vllm_peers``; the report says how they are
 timed); ``vllm_drafter``'s acceptance length is set beside our engine's τ for the same drafter.
+
+This file loads what the methods' registry entries ask for (a drafter, an assistant), runs
+``compare_methods`` and logs; the tables and ``results.md`` are ``components.evaluation.report``'s.
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ import torch
 from components.config import EMBEDDED_TARGET, ConfigError, SpeclineConfig
 from components.drafters import DrafterError, load_drafter
 from components.drafters.quantize import int8_lm_head
-from components.evaluation import EvalContext, EvalReport, check_methods, eval_prompts, evaluate
+from components.evaluation import (
+    EvalContext,
+    EvalReport,
+    check_methods,
+    compare_methods,
+    eval_prompts,
+    needs_assistant,
+    needs_drafter,
+)
 from components.evaluation import report as rep
 from components.evaluation.assistant import ensure_embedded_assistant, load_assistant
 from components.target import load_target
@@ -47,11 +58,11 @@ from pipelines.cli import main
 
 
 def _drafter(cfg: SpeclineConfig, upstream: dict[str, Any], target: Any, methods: list[str]) -> Any:
-    if not any(m.startswith(("drafter", "vllm_drafter")) for m in methods):
+    if not needs_drafter(methods):
         return None
     path = cfg.eval.drafter_path or upstream.get("drafter_path")
     if not path:
-        return None  # the "drafter" method names the key to set
+        return None  # the methods that need one name the key to set
     where = Path(path).expanduser()
     if not (where / "config.json").is_file():
         raise ConfigError(f"eval.drafter_path: '{path}' is not a drafter checkpoint directory (no config.json)")
@@ -69,7 +80,7 @@ def _drafter(cfg: SpeclineConfig, upstream: dict[str, Any], target: Any, methods
 
 def _assistant(cfg: SpeclineConfig, target_path: str, target: Any, methods: list[str]) -> tuple[Any, str | None]:
     name = cfg.eval.assistant
-    if not {"hf_assisted", "vllm_draft_model"} & set(methods) or name in (None, "", "none"):
+    if not needs_assistant(methods) or name in (None, "", "none"):
         return None, None
     if name == "auto":
         if cfg.target.name_or_path != EMBEDDED_TARGET:
@@ -80,65 +91,9 @@ def _assistant(cfg: SpeclineConfig, target_path: str, target: Any, methods: list
     return load_assistant(name, target), name
 
 
-def offline_vs_engine(upstream: dict[str, Any], report: EvalReport) -> dict[str, Any]:
-    """The train stage's offline τ estimate beside the engine's measured τ of the same drafter."""
-    measured = report.summaries.get("drafter")
-    offline = upstream.get("heldout_tau")
-    out: dict[str, Any] = {"offline_tau": offline, "engine_tau": measured.tau if measured else None,
-                           "offline_alpha": upstream.get("heldout_alpha"),
-                           "engine_acceptance": measured.acceptance_by_position if measured else None}
-    if offline is not None and measured is not None:
-        out["engine_minus_offline_tau"] = measured.tau - offline
-    return out
-
-
-def _markdown(cfg: SpeclineConfig, report: EvalReport, offline: dict[str, Any]) -> str:
-    ev = cfg.eval
-    lines = [(f"# Evaluation: {len(report.prompts)} prompts ({ev.prompt_source}) × {ev.max_new_tokens} new tokens, "
-             f"rule {ev.rule}, temperature {ev.temperature}, {ev.threads or torch.get_num_threads()} thread(s)"),
-             "", rep.summary_table(report), "", rep.acceptance_table(report), ""]
-    if offline["engine_tau"] is not None:
-        est = offline["offline_tau"]
-        lines += ["## Offline estimate vs engine", "",
-                  (f"train stage's held-out τ estimate (α = 1 − TV on its rollouts): "
-                   f"{'not given' if est is None else f'{est:.3f}'}; engine-measured τ of the same drafter "
-                   f"on these prompts: {offline['engine_tau']:.3f}"), ""]
-    lines += _vllm_markdown(report)
-    lines += ["## Method settings", "", "```", json.dumps(report.notes, indent=1, default=str), "```"]
-    return "\n".join(lines)
-
-
-def _vllm_markdown(report: EvalReport) -> list[str]:
-    """How the vLLM peers were timed, and vLLM's acceptance length vs our engine's τ."""
-    from components.evaluation.vllm_peers import TIMING
-
-    ran = [m for m in report.summaries if m.startswith("vllm_")]
-    if not ran and not report.unavailable:
-        return []
-    lines = ["## vLLM peers", "", f"Timing: {TIMING}.", ""]
-    lines += [f"- {m}: unavailable: {why}" for m, why in report.unavailable.items()]
-    cmp = report.notes.get("vllm_drafter", {}).get("vs_engine")
-    if cmp:
-        lines += ["", (f"Same drafter, same prompts: our engine τ {cmp['engine_tau']:.3f} ({cmp['engine_rounds']} "
-                       f"rounds), vLLM mean acceptance length {cmp['vllm_tau']:.3f} ({cmp['vllm_rounds']} steps), "
-                       f"difference {cmp['vllm_minus_engine_tau']:+.3f}; vLLM clipped at max_new_tokens as our "
-                       f"engine counts: {cmp['vllm_tau_clipped_to_max_new_tokens']:.3f} ({cmp['tokens_counted_past_max_new_tokens']} "
-                       f"tokens credited past the end); prompts with identical per-round acceptance: "
-                       f"{cmp['prompts_with_identical_rounds']}")]
-    return lines + [""]
-
-
 def _log(tracker: Tracker, cfg: SpeclineConfig, report: EvalReport, offline: dict[str, Any], out: Path) -> None:
-    metrics = rep.flat_metrics(report) | {"eval/prompts": len(report.prompts),
-                                          "eval/lossless_failures": len(report.failures)}
-    for key in ("offline_tau", "engine_tau", "engine_minus_offline_tau"):
-        if isinstance(offline.get(key), (int, float)):
-            metrics[f"eval/{key}"] = offline[key]
-    for key, value in report.notes.get("vllm_drafter", {}).get("vs_engine", {}).items():
-        if isinstance(value, (int, float)):
-            metrics[f"eval/vllm_drafter/vs_engine/{key}"] = value
-    tracker.log_metrics(metrics)
-    text = _markdown(cfg, report, offline)
+    tracker.log_metrics(rep.stage_metrics(report, offline))
+    text = rep.markdown(report, cfg.eval, cfg.eval.threads or torch.get_num_threads(), offline)
     data = rep.report_dict(report) | {"offline_vs_engine": offline}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(text)
@@ -175,9 +130,9 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
                       assistant_path=assistant_name)
     tracker.log_params({f"eval.{k}": v for k, v in dataclasses.asdict(cfg.eval).items()}
                        | {"eval.target_path": target_path, "eval.assistant_path": assistant_name})
-    report = evaluate(ctx, methods, prompts)
+    report = compare_methods(ctx, methods, prompts)
     _shout(report)
-    offline = offline_vs_engine(upstream, report)
+    offline = rep.offline_vs_engine(report, upstream.get("heldout_tau"), upstream.get("heldout_alpha"))
     out = Path(cfg.eval.output_dir).expanduser().resolve()
     _log(tracker, cfg, report, offline, out)
     s = report.summaries

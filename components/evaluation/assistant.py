@@ -8,8 +8,7 @@ target's *training* split (``corpus/train.jsonl`` documents and ``chat/train.jso
 conversations, packed as the target's own pretraining stream is), with the target's tokenizer
 copied as is. It is cached beside the target (``assistant-<hash>`` in ``target.cache_dir``,
 keyed by the target directory, its tokenizer and the assistant settings) and written to a
-temporary directory first, so an interrupted build leaves nothing behind. With the defaults it
-takes a couple of minutes on two CPU cores.
+temporary directory first, so an interrupted build leaves nothing behind.
 
 Knows HF checkpoints and the embedded target's split files; knows nothing about engines,
 drafters or how methods are timed.

@@ -1,4 +1,4 @@
-"""The methods compared by the evaluation stage, one small factory each, looked up by name.
+"""The methods compared by the evaluation stage, one small factory each, in one registry.
 
 Ours (``components.engine``, timed by the engine itself, prefill included):
 
@@ -12,56 +12,42 @@ Peers (transformers' ``generate`` on the same target object, see ``hf.py``):
 
 * ``hf_generate``, ``hf_prompt_lookup``, ``hf_assisted`` (a separate small LM drafts).
 
-vLLM peers (``VLLM_METHODS``, opt-in) run in vLLM's own environment, all in one subprocess after
-ours: ``vllm_peers.py`` builds and runs them; only their names and checks live here.
+vLLM peers (``vllm_peers.VLLM_METHODS``, opt-in) run in vLLM's own environment, all in one
+subprocess after ours; their registry entries live beside the code that builds them and are
+merged into ``METHODS`` here.
 
 A factory gets an :class:`EvalContext` (the loaded parts) and returns a function
 ``(prompt_ids, max_new_tokens, seed) -> PromptRun``. What a method needs that is missing (a
-drafter, an assistant) is a :class:`ConfigError` naming the key to set.
+drafter, an assistant) is a :class:`ConfigError` naming the key to set. What the stage, the
+runner and the report need to know about a method (which parts to load, where it runs, which
+baseline it has) is a field of its :class:`Method` entry, never a test on its name.
 
 Knows the engine and the generate wrappers; nothing about prompts' origin, MLflow or plots.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 from components.config import ConfigError, EvalConfig
-from components.drafters.capabilities import Capability, has
+from components.drafters.capabilities import Capability, CapabilityError, require
 from components.engine import (
     RULES,
+    GenerationResult,
     PromptLookupDrafter,
     SpeculativeEngine,
     TreeEngine,
     target_only_generate,
 )
-from components.engine.engine import GenerationResult
 from components.engine.tree import TREE_RULES
+from components.evaluation.context import EvalContext, Method, MethodFn, Peer
 from components.evaluation.hf import hf_generate
 from components.evaluation.metrics import PromptRun
-from components.spec.sampling import SamplingParams
+from components.evaluation.vllm_peers import VLLM_METHODS, VLLM_REFERENCE, vllm_python
 
-MethodFn = Callable[[list[int], int, int], PromptRun]  # (prompt_ids, max_new_tokens, seed) → run
 REFERENCE = "target_only"
-HF_REFERENCE = "hf_generate"
-
-
-@dataclass
-class EvalContext:
-    """What the methods share: one target, its drafter and assistant (if any), the settings."""
-
-    target: Any  # components.target.Target
-    ev: EvalConfig
-    drafter: Any = None  # a loaded drafter (engine protocol), for "drafter"
-    assistant: Any = None  # an HF causal LM with the target's tokenizer, for "hf_assisted"
-    assistant_path: str | None = None  # where that assistant is (vLLM loads it: "vllm_draft_model")
-    notes: dict[str, dict[str, Any]] = field(default_factory=dict)  # per method: γ, sizes, ...
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.ev.temperature)
+PEER_BASELINES: dict[Peer, str] = {"hf": "hf_generate", "vllm": VLLM_REFERENCE}  # peer → its plain decoding
 
 
 def _from_engine(method: str, res: GenerationResult, drafting: bool) -> PromptRun:
@@ -86,14 +72,20 @@ def _engine_method(ctx: EvalContext, name: str, drafter: Any, gamma: int | None,
     return run
 
 
+def _require(drafter: Any, key: str, feature: str, capability: Capability, hint: str) -> None:
+    """A ConfigError naming ``key``, the drafter and the capability it does not declare."""
+    try:
+        require(drafter, feature, capability, hint=hint)
+    except CapabilityError as err:
+        raise ConfigError(f"{key}: {err}") from None
+
+
 def _trained(ctx: EvalContext, method: str) -> Any:
-    if ctx.drafter is None:
-        raise ConfigError(f"eval.drafter_path: method '{method}' needs a trained drafter; set "
-                          "eval.drafter_path or run the train stage first (or drop it from eval.methods)")
-    if ctx.ev.carryover and not has(ctx.drafter, Capability.CARRYOVER):
-        raise ConfigError(f"eval.carryover: the drafter '{ctx.drafter.cfg.name}' was not trained with the "
-                          "carryover objective (no carryover embedding); set eval.carryover=false")
-    return ctx.drafter
+    drafter = ctx.trained_drafter(method)
+    if ctx.ev.carryover:
+        _require(drafter, "eval.carryover", "carryover decoding", Capability.CARRYOVER,
+                 "Train it with the carryover objective (drafter.carryover=true), or set eval.carryover=false")
+    return drafter
 
 
 def drafter(ctx: EvalContext) -> MethodFn:
@@ -118,9 +110,13 @@ def drafter_tree(ctx: EvalContext) -> MethodFn:
     if ev.tree_builder not in ("ddtree", "causal") or ev.tree_budget < 1:
         raise ConfigError(f"eval.tree_builder/tree_budget: '{ev.tree_builder}'/{ev.tree_budget}; the builder is "
                           "ddtree or causal, the budget at least 1 node")
+    trained = _trained(ctx, "drafter_tree")
+    if ev.tree_builder == "causal":
+        _require(trained, "eval.tree_builder", "causal token trees", Capability.CAUSAL_TREE_HEAD,
+                 "Use eval.tree_builder=ddtree")
     try:
-        engine = TreeEngine(ctx.target, _trained(ctx, "drafter_tree"), ev.rule, ev.num_drafts,
-                            budget=ev.tree_budget, builder=ev.tree_builder)
+        engine = TreeEngine(ctx.target, trained, ev.rule, ev.num_drafts, budget=ev.tree_budget,
+                            builder=ev.tree_builder)
     except ValueError as err:
         raise ConfigError(f"eval.tree_builder: {err}") from err
     ctx.notes["drafter_tree"] = {"num_drafts": engine.gamma, "rule": ev.rule, "budget": ev.tree_budget,
@@ -172,21 +168,37 @@ def hf_assisted(ctx: EvalContext) -> MethodFn:
     return run
 
 
-METHODS: dict[str, Callable[[EvalContext], MethodFn]] = {
-    "target_only": target_only, "drafter": drafter, "drafter_dloop": drafter_dloop, "drafter_tree": drafter_tree,
-    "prompt_lookup": prompt_lookup,
-    "hf_generate": hf_plain, "hf_prompt_lookup": hf_prompt_lookup, "hf_assisted": hf_assisted,
+METHODS: dict[str, Method] = {
+    "target_only": Method(build=target_only),
+    "drafter": Method(build=drafter, needs_drafter=True),
+    "drafter_dloop": Method(build=drafter_dloop, needs_drafter=True),
+    "drafter_tree": Method(build=drafter_tree, needs_drafter=True),
+    "prompt_lookup": Method(build=prompt_lookup),
+    "hf_generate": Method(build=hf_plain, peer="hf"),
+    "hf_prompt_lookup": Method(build=hf_prompt_lookup, peer="hf"),
+    "hf_assisted": Method(build=hf_assisted, peer="hf", needs_assistant=True),
+    **VLLM_METHODS,
 }
-HF_METHODS = {"hf_generate", "hf_prompt_lookup", "hf_assisted"}
-VLLM_METHODS = {"vllm_generate", "vllm_ngram", "vllm_suffix", "vllm_draft_model", "vllm_drafter"}
-VLLM_REFERENCE = "vllm_generate"
+
+
+def of_peer(peer: Peer, names: Iterable[str]) -> set[str]:
+    """The methods among ``names`` that are ``peer``'s (ours, transformers', vLLM's)."""
+    return {n for n in names if METHODS[n].peer == peer}
+
+
+def needs_drafter(names: Iterable[str]) -> bool:
+    return any(METHODS[n].needs_drafter for n in names)
+
+
+def needs_assistant(names: Iterable[str]) -> bool:
+    return any(METHODS[n].needs_assistant for n in names)
 
 
 def check_methods(ev: EvalConfig) -> list[str]:
     """The configured methods, reference first; unknown names and bad settings are ConfigErrors."""
-    unknown = [m for m in ev.methods if m not in METHODS and m not in VLLM_METHODS]
+    unknown = [m for m in ev.methods if m not in METHODS]
     if unknown:
-        raise ConfigError(f"eval.methods: unknown {unknown}; available: {list(METHODS) + sorted(VLLM_METHODS)}")
+        raise ConfigError(f"eval.methods: unknown {unknown}; available: {list(METHODS)}")
     if len(set(ev.methods)) != len(ev.methods):
         raise ConfigError(f"eval.methods: {list(ev.methods)} names a method twice")
     if ev.rule not in RULES:
@@ -197,9 +209,7 @@ def check_methods(ev: EvalConfig) -> list[str]:
     for key in ("num_prompts", "max_new_tokens", "lookup_num_drafts", "lookup_max_ngram", "vllm_draft_tokens"):
         if getattr(ev, key) < 1:
             raise ConfigError(f"eval.{key}: must be at least 1 (got {getattr(ev, key)})")
-    if VLLM_METHODS & set(ev.methods):
-        from components.evaluation.vllm_peers import vllm_python
-
+    if any(METHODS[m].in_vllm for m in ev.methods):
         vllm_python(ev)  # a ConfigError naming eval.vllm_python and `make vllm-env` when missing
     return [REFERENCE] + [m for m in ev.methods if m != REFERENCE]
 
@@ -208,8 +218,9 @@ def exact_methods(ev: EvalConfig, methods: list[str]) -> set[str]:
     """Methods whose output must equal target_only's token for token under these settings:
     ours under greedy decoding or Gumbel coupling (output = f(target, seed)); the peers only greedy."""
     ours = ev.temperature == 0 or ev.rule in ("greedy", "gumbel")
-    return {m for m in methods if (ev.temperature == 0 if m in HF_METHODS | VLLM_METHODS else ours)}
+    return {m for m in methods if (ours if METHODS[m].peer == "ours" else ev.temperature == 0)}
 
 
 def build_methods(ctx: EvalContext, methods: list[str]) -> dict[str, MethodFn]:
-    return {name: METHODS[name](ctx) for name in methods}
+    """The in-process methods among ``methods``, built (vLLM's are planned by ``vllm_peers``)."""
+    return {name: METHODS[name].build(ctx) for name in methods if METHODS[name].build is not None}

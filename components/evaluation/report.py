@@ -4,7 +4,11 @@
   transformers' / vLLM's methods, ÷ hf_generate / vllm_generate), τ, drafts per round, target
   passes, lossless; methods that could not run (vLLM refusals) as a row with the reason;
 * ``acceptance_table`` -- acceptance at draft position k per drafting method;
-* ``flat_metrics``    -- ``eval/<method>/<metric>`` numbers for MLflow;
+* ``offline_vs_engine`` -- the train stage's offline τ estimate beside the τ the engine measured;
+* ``markdown``        -- the whole ``results.md``: settings, both tables, offline vs engine, how
+  the vLLM peers were timed and how their acceptance compares with our engine's, method notes;
+* ``flat_metrics``    -- ``eval/<method>/<metric>`` numbers for MLflow (``stage_metrics``: with
+  the offline comparison and the vLLM-vs-engine numbers);
 * ``plot_acceptance`` / ``plot_speedups`` -- PNGs (matplotlib, Agg); None without matplotlib.
 
 Knows the report dataclasses and matplotlib; nothing about models or MLflow itself.
@@ -13,11 +17,15 @@ Knows the report dataclasses and matplotlib; nothing about models or MLflow itse
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
+from components.config import EvalConfig
+from components.evaluation.methods import REFERENCE
 from components.evaluation.metrics import MethodSummary
 from components.evaluation.runner import EvalReport
+from components.evaluation.vllm_peers import TIMING, VLLM_METHODS
 
 PLOT_MIN_ROUNDS = 5  # the acceptance plot leaves out positions reached by fewer rounds
 
@@ -37,7 +45,7 @@ def _lossless(s: MethodSummary, reference: str) -> str:
     return f"**NO** ({len(s.mismatches)} prompts, {ties} at near-ties)"
 
 
-def summary_table(report: EvalReport, reference: str = "target_only") -> str:
+def summary_table(report: EvalReport, reference: str = REFERENCE) -> str:
     head = "| method | tok/s | speedup | vs hf_generate | vs vllm_generate | τ | drafts/round | target passes | lossless |"
     rows = [head, "|---|" * 1 + "---|" * 8]
     for s in report.summaries.values():
@@ -63,6 +71,65 @@ def acceptance_table(report: EvalReport) -> str:
     return "\n".join(rows) + "\n\n(acceptance rate at draft k among rounds that reached k; rounds in brackets)"
 
 
+def offline_vs_engine(report: EvalReport, offline_tau: float | None,
+                      offline_alpha: list[float] | None) -> dict[str, Any]:
+    """The train stage's offline τ estimate (α = 1 − TV on its held-out rollouts) beside the
+    engine's measured τ of the same drafter (``drafter``)."""
+    measured = report.summaries.get("drafter")
+    out: dict[str, Any] = {"offline_tau": offline_tau, "engine_tau": measured.tau if measured else None,
+                           "offline_alpha": offline_alpha,
+                           "engine_acceptance": measured.acceptance_by_position if measured else None}
+    if offline_tau is not None and measured is not None:
+        out["engine_minus_offline_tau"] = measured.tau - offline_tau
+    return out
+
+
+def _offline_markdown(offline: dict[str, Any]) -> list[str]:
+    if offline["engine_tau"] is None:
+        return []
+    est = offline["offline_tau"]
+    return ["## Offline estimate vs engine", "",
+            (f"train stage's held-out τ estimate (α = 1 − TV on its rollouts): "
+             f"{'not given' if est is None else f'{est:.3f}'}; engine-measured τ of the same drafter "
+             f"on these prompts: {offline['engine_tau']:.3f}"), ""]
+
+
+def _vs_engine_line(cmp: dict[str, Any]) -> str:
+    return (f"Same drafter, same prompts: our engine τ {cmp['engine_tau']:.3f} ({cmp['engine_rounds']} "
+            f"rounds), vLLM mean acceptance length {cmp['vllm_tau']:.3f} ({cmp['vllm_rounds']} steps), "
+            f"difference {cmp['vllm_minus_engine_tau']:+.3f}; vLLM clipped at max_new_tokens as our "
+            f"engine counts: {cmp['vllm_tau_clipped_to_max_new_tokens']:.3f} "
+            f"({cmp['tokens_counted_past_max_new_tokens']} tokens credited past the end); prompts with "
+            f"identical per-round acceptance: {cmp['prompts_with_identical_rounds']}")
+
+
+def _vllm_markdown(report: EvalReport) -> list[str]:
+    """How the vLLM peers were timed, and vLLM's acceptance length vs our engine's τ."""
+    ran = [m for m in report.summaries if m in VLLM_METHODS]
+    if not ran and not report.unavailable:
+        return []
+    lines = ["## vLLM peers", "", f"Timing: {TIMING}.", ""]
+    lines += [f"- {m}: unavailable: {why}" for m, why in report.unavailable.items()]
+    for cmp in _vs_engine(report).values():
+        lines += ["", _vs_engine_line(cmp)]
+    return lines + [""]
+
+
+def markdown(report: EvalReport, ev: EvalConfig, threads: int, offline: dict[str, Any]) -> str:
+    """``results.md``: one heading with the settings, the tables, the comparisons, the notes."""
+    lines = [(f"# Evaluation: {len(report.prompts)} prompts ({ev.prompt_source}) × {ev.max_new_tokens} new "
+              f"tokens, rule {ev.rule}, temperature {ev.temperature}, {threads} thread(s)"),
+             "", summary_table(report), "", acceptance_table(report), ""]
+    lines += _offline_markdown(offline) + _vllm_markdown(report)
+    lines += ["## Method settings", "", "```", json.dumps(report.notes, indent=1, default=str), "```"]
+    return "\n".join(lines)
+
+
+def _vs_engine(report: EvalReport) -> dict[str, dict[str, Any]]:
+    """method → its comparison with its engine twin (``runner.compare_with_engine``), where made."""
+    return {m: n["vs_engine"] for m, n in report.notes.items() if n.get("vs_engine")}
+
+
 def flat_metrics(report: EvalReport) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, s in report.summaries.items():
@@ -79,6 +146,19 @@ def flat_metrics(report: EvalReport) -> dict[str, float]:
             out[f"{p}/lossless"] = float(s.lossless)
         out |= {f"{p}/acceptance/{k + 1}": a for k, a in enumerate(s.acceptance_by_position)}
     return out
+
+
+def stage_metrics(report: EvalReport, offline: dict[str, Any]) -> dict[str, float]:
+    """``flat_metrics`` plus prompt and failure counts, the offline comparison and the numbers of
+    every vLLM-vs-engine comparison."""
+    metrics = flat_metrics(report) | {"eval/prompts": len(report.prompts),
+                                      "eval/lossless_failures": len(report.failures)}
+    for key in ("offline_tau", "engine_tau", "engine_minus_offline_tau"):
+        if isinstance(offline.get(key), (int, float)):
+            metrics[f"eval/{key}"] = offline[key]
+    for name, cmp in _vs_engine(report).items():
+        metrics |= {f"eval/{name}/vs_engine/{k}": v for k, v in cmp.items() if isinstance(v, (int, float))}
+    return metrics
 
 
 def report_dict(report: EvalReport) -> dict[str, Any]:

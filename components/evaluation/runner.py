@@ -15,8 +15,9 @@ early, e.g. at a stop token). Mismatches are logged as errors.
 vLLM peers (``vllm_peers``): prepared before any timing (a missing vLLM environment or drafter
 stops the stage there), run in one vLLM subprocess after ours (so the two never share the CPU),
 and then summarized and checked like every other method. A vLLM method vLLM refuses is kept in
-``EvalReport.unavailable`` with the reason, not in ``runs``. ``vllm_drafter`` gets a comparison
-with our ``drafter`` (``notes["vllm_drafter"]["vs_engine"]``) when both ran.
+``EvalReport.unavailable`` with the reason, not in ``runs``. A vLLM method with an
+``engine_twin`` (``vllm_drafter``: our ``drafter``) gets a per-round comparison with it
+(``notes[name]["vs_engine"]``) when both ran.
 
 Knows methods, metrics and the target's forward; nothing about MLflow or files.
 """
@@ -30,16 +31,14 @@ from typing import Any
 import torch
 
 from components.data.prompts import Prompt
+from components.evaluation.context import EvalContext, Method, MethodFn
 from components.evaluation.methods import (
-    HF_METHODS,
-    HF_REFERENCE,
+    METHODS,
+    PEER_BASELINES,
     REFERENCE,
-    VLLM_METHODS,
-    VLLM_REFERENCE,
-    EvalContext,
-    MethodFn,
     build_methods,
     exact_methods,
+    of_peer,
 )
 from components.evaluation.metrics import (
     MethodSummary,
@@ -49,6 +48,7 @@ from components.evaluation.metrics import (
     compare_tokens,
     summarize,
 )
+from components.evaluation.vllm_peers import VllmPlan, compare_drafter, plan_vllm, run_vllm
 
 log = logging.getLogger(__name__)
 NEAR_TIE = 1e-3  # |logit(expected) - logit(got)| below this is a numerical tie
@@ -131,37 +131,42 @@ def time_in_process(ctx: EvalContext, methods: dict[str, MethodFn], prompts: lis
         torch.set_num_threads(threads)
 
 
-def _vllm_vs_engine(ctx: EvalContext, runs: dict[str, list[PromptRun]]) -> None:
-    from components.evaluation.vllm_peers import compare_drafter
+def compare_with_engine(ctx: EvalContext, methods: dict[str, Method], runs: dict[str, list[PromptRun]]) -> None:
+    """For each vLLM method whose ``engine_twin`` (our method with the same drafter) ran too:
+    ``notes[name]["vs_engine"]``, vLLM's acceptance length beside our engine's τ."""
+    for name, method in methods.items():
+        twin = method.engine_twin
+        if twin and name in runs and twin in runs:
+            gamma = ctx.notes.get(twin, {}).get("num_drafts") or ctx.notes[name]["num_speculative_tokens"]
+            ctx.notes[name]["vs_engine"] = compare_drafter(runs[twin], runs[name], gamma)
 
-    if "vllm_drafter" in runs and "drafter" in runs:
-        gamma = ctx.notes.get("drafter", {}).get("num_drafts") or ctx.notes["vllm_drafter"]["num_speculative_tokens"]
-        ctx.notes["vllm_drafter"]["vs_engine"] = compare_drafter(runs["drafter"], runs["vllm_drafter"], gamma)
 
-
-def evaluate(ctx: EvalContext, method_names: list[str], prompts: list[Prompt]) -> EvalReport:
-    """Builds the methods, warms up, times them on ``prompts`` (vLLM's afterwards, in its own
-    process), summarizes and checks them."""
-    peers = [m for m in method_names if m in VLLM_METHODS]
-    plan = None
-    if peers:
-        from components.evaluation.vllm_peers import plan_vllm
-
-        plan = plan_vllm(ctx, peers)
+def time_all(ctx: EvalContext, names: list[str],
+             prompts: list[Prompt]) -> tuple[dict[str, list[PromptRun]], dict[str, str]]:
+    """(runs per method in ``names`` order, unavailable method → why): ours in this process,
+    then vLLM's in its subprocess (planned, i.e. exported, before any timing)."""
+    peers = {n: METHODS[n] for n in names if METHODS[n].in_vllm}
+    plan: VllmPlan | None = plan_vllm(ctx, peers) if peers else None
     unavailable: dict[str, str] = {}
     try:
-        runs = time_in_process(ctx, build_methods(ctx, [m for m in method_names if m not in VLLM_METHODS]), prompts)
+        runs = time_in_process(ctx, build_methods(ctx, names), prompts)
         if plan is not None:
-            from components.evaluation.vllm_peers import run_vllm
-
             vruns, unavailable = run_vllm(ctx, plan, prompts)
-            runs = {m: vruns[m] if m in vruns else runs[m] for m in method_names if m in runs or m in vruns}
-            _vllm_vs_engine(ctx, runs)
+            runs = {m: vruns[m] if m in vruns else runs[m] for m in names if m in runs or m in vruns}
+            compare_with_engine(ctx, peers, runs)
     finally:
         if plan is not None:
             plan.close()  # the temporary drafter export
+    return runs, unavailable
+
+
+def compare_methods(ctx: EvalContext, names: list[str], prompts: list[Prompt]) -> EvalReport:
+    """Builds the methods, warms up, times them on ``prompts`` (vLLM's afterwards, in its own
+    process), summarizes and checks them against ``target_only``."""
+    runs, unavailable = time_all(ctx, names, prompts)
     summaries = {name: summarize(name, r) for name, r in runs.items()}
-    add_speedups(summaries, REFERENCE, HF_REFERENCE, HF_METHODS, VLLM_REFERENCE, VLLM_METHODS)
+    add_speedups(summaries, REFERENCE, PEER_BASELINES["hf"], of_peer("hf", runs),
+                 PEER_BASELINES["vllm"], of_peer("vllm", runs))
     check_lossless(ctx.target, prompts, runs, summaries, exact_methods(ctx.ev, list(runs)) - {REFERENCE})
     for name, notes in ctx.notes.items():
         if name in summaries:

@@ -10,20 +10,22 @@ Methods (opt-in, ``eval.methods``), each a vLLM ``speculative_config`` on the sa
 * ``vllm_draft_model`` -- the small assistant LM that ``hf_assisted`` uses, as vLLM's draft
   model (``eval.vllm_draft_tokens`` drafts per step);
 * ``vllm_drafter``     -- our trained drafter, exported with ``components.export.vllm`` (the
-  speculators layout, else the native one) into a temporary directory; γ as our ``drafter`` method's. vLLM's CPU runner
-  refuses DSpark: that (and any other refusal) makes the method *unavailable* with vLLM's reason;
-  the other methods still run.
+  speculators layout, else the native one) into a temporary directory; γ as our ``drafter``
+  method's. vLLM's CPU runner refuses DSpark: that (and any other refusal) makes the method
+  *unavailable* with vLLM's reason; the other methods still run.
 
-``plan_vllm`` checks and prepares everything before any timing (the vLLM Python exists, the
-drafter exports); ``run_vllm`` then runs all vLLM methods in ONE subprocess of the vLLM
-environment (``python -m components.evaluation.vllm_run``, which documents how vLLM is timed:
-method after method, one request at a time, greedy, float32, prompts as token ids) and turns its
-JSON into the same :class:`PromptRun` records as ours (tokens, seconds, accepted/drafted per
-verify step from vLLM's per-request metrics). ``compare_drafter`` sets vLLM's acceptance length
-for our exported drafter beside our engine's τ for the same drafter and prompts, round by round.
+Each method is a :class:`Method` entry of ``VLLM_METHODS`` whose ``speculative_config`` builds
+its config (the entries are merged into ``methods.METHODS``). ``plan_vllm`` checks and prepares
+everything before any timing (the vLLM Python exists, the drafter exports); ``run_vllm`` then
+runs all vLLM methods in ONE subprocess of the vLLM environment (``python -m
+components.evaluation.vllm_run``, which documents how vLLM is timed: method after method, one
+request at a time, greedy, float32, prompts as token ids) and turns its JSON into the same
+:class:`PromptRun` records as ours (tokens, seconds, accepted/drafted per verify step from
+vLLM's per-request metrics). ``compare_drafter`` sets vLLM's acceptance length for our exported
+drafter beside our engine's τ for the same drafter and prompts, round by round.
 
 Never imports vLLM. Knows the spec/result format of ``vllm_run``, the exporter and EvalConfig;
-nothing about MLflow or how reports are drawn.
+nothing about our other methods, MLflow or how reports are drawn.
 """
 
 from __future__ import annotations
@@ -39,8 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from components.config import ConfigError, EvalConfig
-from components.evaluation.methods import VLLM_METHODS, EvalContext
+from components.drafters.base import DrafterError
+from components.evaluation.context import EvalContext, Method
 from components.evaluation.metrics import PromptRun, tau
+from components.export import ExportError, export_vllm, vllm_method
+from components.export.vllm import LAYOUTS
+from components.export.vllm_check import REFUSED_ON_CPU
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -56,6 +62,7 @@ HINTS = {"suffix": " (arctic-inference is not in `make vllm-env`: PyPI has only 
                    "torch 2.7 with the CUDA libraries; see README, Evaluation stage)"}
 
 log = logging.getLogger(__name__)
+VLLM_REFERENCE = "vllm_generate"
 
 
 def vllm_python(ev: EvalConfig) -> Path:
@@ -64,7 +71,7 @@ def vllm_python(ev: EvalConfig) -> Path:
     path = Path(given).expanduser() if given else DEFAULT_VLLM_PYTHON
     if not path.is_file():
         where = "eval.vllm_python" if ev.vllm_python else ("$SPECLINE_VLLM_PYTHON" if given else "the default")
-        wanted = sorted(set(ev.methods) & VLLM_METHODS)
+        wanted = sorted(set(ev.methods) & set(VLLM_METHODS))
         raise ConfigError(f"eval.vllm_python: methods {wanted} run vLLM in its own environment, but there is no "
                           f"Python at {path} ({where}); build it with `make vllm-env`, or set "
                           "eval.vllm_python=<vLLM env>/bin/python (or drop them from eval.methods)")
@@ -85,58 +92,65 @@ class VllmPlan:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _drafter_config(ctx: EvalContext, workdir: Path) -> dict[str, Any]:
-    """Exports the trained drafter for vLLM; ExportError propagates (the method is unavailable)."""
-    from components.export import ExportError, export_vllm, vllm_method
-    from components.export.vllm import LAYOUTS
+def target_alone(ctx: EvalContext, workdir: Path) -> None:
+    """``vllm_generate``: no speculative_config, the target alone."""
 
-    if ctx.drafter is None:
-        raise ConfigError("eval.drafter_path: method 'vllm_drafter' needs a trained drafter; set "
-                          "eval.drafter_path or run the train stage first (or drop it from eval.methods)")
+
+def ngram(ctx: EvalContext, workdir: Path) -> dict[str, Any]:
+    """``vllm_ngram``: as our ``prompt_lookup`` (γ, n-grams 1..max)."""
+    return {"method": "ngram", "num_speculative_tokens": ctx.ev.lookup_num_drafts,
+            "prompt_lookup_max": ctx.ev.lookup_max_ngram, "prompt_lookup_min": 1}
+
+
+def suffix(ctx: EvalContext, workdir: Path) -> dict[str, Any]:
+    """``vllm_suffix``: vLLM's defaults (tree depth 24 = max drafts per step)."""
+    return {"method": "suffix"}
+
+
+def draft_model(ctx: EvalContext, workdir: Path) -> dict[str, Any]:
+    """``vllm_draft_model``: the assistant LM that ``hf_assisted`` uses, as vLLM's draft model."""
+    if not ctx.assistant_path:
+        raise ConfigError("eval.assistant: method 'vllm_draft_model' needs the assistant LM (the one "
+                          "hf_assisted uses); set eval.assistant (or drop vllm_draft_model)")
+    return {"method": "draft_model", "model": str(ctx.assistant_path),
+            "num_speculative_tokens": ctx.ev.vllm_draft_tokens}
+
+
+def exported_drafter(ctx: EvalContext, workdir: Path) -> dict[str, Any]:
+    """``vllm_drafter``: exports the trained drafter for vLLM; ExportError propagates (the method
+    is unavailable)."""
+    drafter = ctx.trained_drafter("vllm_drafter")
     for layout in LAYOUTS:  # speculators first; Medusa has only the native layout
         try:
-            path = export_vllm(ctx.drafter, ctx.target, workdir / "drafter-vllm", layout=layout)
+            path = export_vllm(drafter, ctx.target, workdir / "drafter-vllm", layout=layout)
             break
         except ExportError:
             if layout == LAYOUTS[-1]:
                 raise
-    gamma = ctx.ev.num_drafts or ctx.drafter.num_drafts
-    ctx.notes["vllm_drafter"] = {"drafter": ctx.drafter.registry_name, "export_layout": layout,
+    gamma = ctx.ev.num_drafts or drafter.num_drafts
+    ctx.notes["vllm_drafter"] = {"drafter": drafter.registry_name, "export_layout": layout,
                                  "num_speculative_tokens": gamma,
                                  **({"carryover": "exported without carryover"} if ctx.ev.carryover else {})}
-    return {"method": vllm_method(ctx.drafter), "model": str(path), "num_speculative_tokens": gamma}
+    return {"method": vllm_method(drafter), "model": str(path), "num_speculative_tokens": gamma}
 
 
-def speculative_config(ctx: EvalContext, name: str, workdir: Path) -> dict[str, Any] | None:
-    """vLLM's ``speculative_config`` for one method (None: the target alone)."""
-    ev = ctx.ev
-    if name == "vllm_generate":
-        return None
-    if name == "vllm_ngram":
-        return {"method": "ngram", "num_speculative_tokens": ev.lookup_num_drafts,
-                "prompt_lookup_max": ev.lookup_max_ngram, "prompt_lookup_min": 1}
-    if name == "vllm_suffix":
-        return {"method": "suffix"}  # vLLM's defaults (tree depth 24 = max drafts per step)
-    if name == "vllm_draft_model":
-        if not ctx.assistant_path:
-            raise ConfigError("eval.assistant: method 'vllm_draft_model' needs the assistant LM (the one "
-                              "hf_assisted uses); set eval.assistant (or drop vllm_draft_model)")
-        return {"method": "draft_model", "model": str(ctx.assistant_path),
-                "num_speculative_tokens": ev.vllm_draft_tokens}
-    if name == "vllm_drafter":
-        return _drafter_config(ctx, workdir)
-    raise ValueError(f"not a vLLM method: {name}")
+VLLM_METHODS: dict[str, Method] = {
+    VLLM_REFERENCE: Method(speculative_config=target_alone, peer="vllm"),
+    "vllm_ngram": Method(speculative_config=ngram, peer="vllm"),
+    "vllm_suffix": Method(speculative_config=suffix, peer="vllm"),
+    "vllm_draft_model": Method(speculative_config=draft_model, peer="vllm", needs_assistant=True),
+    "vllm_drafter": Method(speculative_config=exported_drafter, peer="vllm", needs_drafter=True,
+                           engine_twin="drafter"),
+}
 
 
-def plan_vllm(ctx: EvalContext, names: list[str]) -> VllmPlan:
+def plan_vllm(ctx: EvalContext, methods: dict[str, Method]) -> VllmPlan:
     """Checks the vLLM environment and prepares every method's config (exports included)."""
-    from components.drafters.base import DrafterError
-
     python = vllm_python(ctx.ev)
     plan = VllmPlan(python, [], Path(tempfile.mkdtemp(prefix="specline-vllm-eval-")))
-    for name in names:
+    for name, method in methods.items():
         try:
-            sc = speculative_config(ctx, name, plan.workdir)
+            sc = method.speculative_config(ctx, plan.workdir)
         except DrafterError as err:  # ExportError: no vLLM layout for this drafter
             plan.unavailable[name] = f"export: {err}"
             continue
@@ -178,8 +192,6 @@ def _subprocess(plan: VllmPlan, spec: dict[str, Any], threads: int) -> dict[str,
 
 def _reason(result: dict[str, Any]) -> str:
     """Why vLLM did not run a method, in one line (vLLM's own words)."""
-    from components.export.vllm_check import REFUSED_ON_CPU
-
     method = (result.get("speculative_config") or {}).get("method", "")
     if result.get("refused_on_cpu"):
         return f"vLLM's CPU model runner refuses {method}: \"{REFUSED_ON_CPU[method]}\" (only its V2 GPU runner has it)"

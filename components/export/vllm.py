@@ -31,7 +31,9 @@ Training-only weights (``TRAINING_ONLY``) are left out with a logged warning: ``
 (E_carry of carryover training, components/training/objectives/carryover.py) is only read with a
 carryover KV of rejected target states, which no engine layout keeps; without it the exported
 drafter drafts as a plain DFlash/DSpark drafter (as after a full accept, with no carryover rows).
-Dispatch is a table keyed by registry name: no other code branches on drafter names. MTP has
+Dispatch is a table keyed by registry name: no other code branches on drafter names; what a
+layout needs beyond the core interface is read from the drafter's declared capabilities
+(``Capability.SLOT_HEADS``: the DSpark head fields and weights), never probed. MTP has
 no vLLM layout for Qwen3-style standalone modules (vLLM 0.32's MTP paths read MTP layers that
 ship with hybrid/MoE targets: Qwen3-Next/3.5, DeepSeek, ...) and is refused with that message.
 """
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 
 from components.drafters.base import Drafter, DrafterError
+from components.drafters.capabilities import Capability, has
 from components.io import write_checkpoint_dir
 
 Tensors = dict[str, torch.Tensor]
@@ -133,8 +136,8 @@ def eagle3_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str,
 
 
 def block_fields(drafter: Drafter) -> dict[str, Any]:
-    """DSpark head fields; empty for a drafter without heads (DFlash)."""
-    if not hasattr(drafter, "markov_head"):
+    """DSpark head fields; empty for a drafter that declares no slot heads (DFlash)."""
+    if not has(drafter, Capability.SLOT_HEADS):
         return {}
     kind = MARKOV_TYPES.get(drafter.cfg.markov_head)
     if kind != "vanilla":
@@ -152,8 +155,9 @@ def block_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, 
     common = {"block_size": int(drafter.cfg.block_size), "mask_token_id": int(drafter.cfg.mask_token_id),
               "sample_from_anchor": bool(drafter.cfg.sample_from_anchor)}
     if common["sample_from_anchor"] and not extra:
-        raise ExportError("dflash: vLLM's DFlash drafts from the mask slots only (sample_from_anchor=False); "
-                          "this drafter samples from the anchor (use dspark, or sample_from_anchor=False)")
+        raise ExportError(f"{kind}: vLLM's DFlash drafts from the mask slots only (sample_from_anchor=False); "
+                          f"this drafter samples from the anchor without {Capability.SLOT_HEADS.value} "
+                          "(use dspark, or sample_from_anchor=False)")
     if layout == "native":
         config = dict(layer_config(drafter, target, "qwen3"),
                       architectures=[NATIVE_ARCHS[kind]],

@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from components.config import ConfigError, EvalConfig
 from components.drafters import load_drafter
-from components.evaluation import METHODS, EvalContext, check_methods, evaluate
+from components.evaluation import METHODS, EvalContext, Method, check_methods, compare_methods
 from components.evaluation.assistant import load_assistant
 from components.evaluation.metrics import PromptRun
 
@@ -26,7 +27,7 @@ def _ctx(tiny_target, tiny_target_build, drafter_path, **ev) -> EvalContext:
 
 def test_all_methods_greedy_lossless_with_speedups(tiny_target, tiny_target_build, drafter_path, eval_prompt_list):
     ctx = _ctx(tiny_target, tiny_target_build, drafter_path)
-    report = evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+    report = compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list)
     assert list(report.summaries) == ALL and report.failures == []
     for name, s in report.summaries.items():
         assert s.new_tokens == NEW * len(eval_prompt_list) and s.tokens_per_s > 0
@@ -45,15 +46,17 @@ def test_a_method_that_changes_the_output_is_not_lossless(tiny_target, tiny_targ
                                                           eval_prompt_list, monkeypatch, caplog):
     def broken(ctx):
         def run(ids, n, seed):
-            tokens = METHODS["target_only"](ctx)(ids, n, seed).tokens
-            tokens[3] = (tokens[3] + 1) % ctx.target.vocab_size
+            tokens = METHODS["target_only"].build(ctx)(ids, n, seed).tokens
+            # the target's least likely token there: a margin far from a near-tie on any machine
+            logits = ctx.target.forward(torch.tensor([ids + tokens[:3]], device=ctx.target.device)).logits
+            tokens[3] = int(logits[0, -1].argmin())
             return PromptRun("prompt_lookup", "", tokens, 1.0)
         return run
 
-    monkeypatch.setitem(METHODS, "prompt_lookup", broken)
+    monkeypatch.setitem(METHODS, "prompt_lookup", Method(build=broken))
     ctx = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["target_only", "prompt_lookup"])
     with caplog.at_level(logging.ERROR):
-        report = evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+        report = compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list)
     s = report.summaries["prompt_lookup"]
     assert report.failures == ["prompt_lookup"] and s.lossless is False
     assert [m.index for m in s.mismatches] == [3] * len(eval_prompt_list)
@@ -65,7 +68,7 @@ def test_sampled_rules_are_not_checked_token_for_token(tiny_target, tiny_target_
                                                        eval_prompt_list):
     ctx = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["drafter", "prompt_lookup"],
                rule="speculative", temperature=0.8)
-    report = evaluate(ctx, check_methods(ctx.ev), eval_prompt_list[:1])
+    report = compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list[:1])
     assert report.summaries["drafter"].lossless is None and report.summaries["drafter"].new_tokens == NEW
 
 
@@ -85,23 +88,23 @@ def test_missing_drafter_or_assistant_names_the_key(tiny_target, eval_prompt_lis
                         ("hf_assisted", "eval.assistant")):
         ctx = EvalContext(tiny_target, EvalConfig(methods=[method]))
         with pytest.raises(ConfigError, match=key):
-            evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+            compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list)
 
 
 def test_carryover_needs_a_carryover_trained_drafter(tiny_target, tiny_target_build, drafter_path, eval_prompt_list):
     ctx = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["drafter"], carryover=True)
     with pytest.raises(ConfigError, match="eval.carryover"):
-        evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+        compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list)
 
 
 @pytest.mark.parametrize("builder", ["ddtree", "causal"])
 def test_drafter_tree_method_is_lossless(tiny_target, tiny_target_build, drafter_path, eval_prompt_list, builder):
     ctx = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["target_only", "drafter_tree"],
                tree_budget=6, tree_builder=builder)
-    report = evaluate(ctx, check_methods(ctx.ev), eval_prompt_list)
+    report = compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list)
     s = report.summaries["drafter_tree"]
     assert report.failures == [] and s.lossless is True and s.rounds > 0
     assert s.extra["budget"] == 6 and s.extra["builder"] == builder
     bad = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["drafter_tree"], rule="block")
     with pytest.raises(ConfigError, match="eval.rule"):
-        METHODS["drafter_tree"](bad)
+        METHODS["drafter_tree"].build(bad)

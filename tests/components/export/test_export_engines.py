@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from components.config import DrafterConfig
 from components.drafters import build_drafter
+from components.drafters.capabilities import Capability
 from components.export import (
     ExportError,
     export_sglang,
@@ -167,3 +168,25 @@ def test_exported_weights_equal_drafter(tiny_target):
     _, t = vllm_export(d, tiny_target, "speculators")
     for name, value in d.state_dict().items():
         assert torch.equal(t[name.removeprefix("backbone.")], value)
+
+
+def _without_slot_heads(drafter):
+    declared = drafter.capabilities() - {Capability.SLOT_HEADS}
+    drafter.capabilities = lambda: declared
+    return drafter
+
+
+def test_slot_head_fields_follow_the_declared_capability(tiny_target):
+    """The exporter writes DSpark's head fields because the drafter declares SLOT_HEADS, not
+    because it has a ``markov_head`` attribute: without the declaration it is a head-less block
+    drafter, exported and refused exactly as DFlash is."""
+    assert Capability.SLOT_HEADS in make(tiny_target, "dspark").capabilities()
+    assert Capability.SLOT_HEADS not in make(tiny_target, "dflash").capabilities()
+    headless = _without_slot_heads(make(tiny_target, "dspark"))  # samples from the anchor by default
+    with pytest.raises(ExportError, match="dspark: vLLM's DFlash drafts from the mask slots only.*slot_heads"):
+        vllm_export(headless, tiny_target, "speculators")
+    headless = _without_slot_heads(make(tiny_target, "dspark", sample_from_anchor=False))
+    for layout in ("speculators", "native"):
+        config, _ = vllm_export(headless, tiny_target, layout)
+        assert not {"markov_rank", "markov_head_type", "enable_confidence_head"} & set(config), layout
+        assert "markov_rank" not in config.get("dflash_config", {}), layout

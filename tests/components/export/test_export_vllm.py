@@ -33,7 +33,7 @@ pytestmark = [
                        reason=f"no vLLM environment at {VLLM_PYTHON} (build it with `make vllm-env`)"),
 ]
 
-# (export id, drafter config, layout): each id is one vLLM start (~20-30 s on 2 CPU cores).
+# (export id, drafter config, layout): each id is one vLLM start.
 EXPORTS = [
     ("eagle3-speculators", {"name": "eagle3"}, "speculators"),
     ("eagle3-native", {"name": "eagle3"}, "native"),

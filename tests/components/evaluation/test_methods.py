@@ -1,0 +1,73 @@
+"""The method registry carries what the stage needs to know, and the drafter methods read the
+drafter's declared capabilities: declared → the method runs; not declared → a ConfigError that
+names the key, the drafter and the capability."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from components.config import ConfigError, DrafterConfig, EvalConfig
+from components.drafters import build_drafter
+from components.drafters.capabilities import Capability
+from components.evaluation import (
+    METHODS,
+    EvalContext,
+    check_methods,
+    compare_methods,
+    needs_assistant,
+    needs_drafter,
+)
+
+NEW = 10
+
+
+def _dspark(tiny_target, **cfg):
+    torch.manual_seed(0)
+    return build_drafter(DrafterConfig(name="dspark", num_layers=1, block_size=4, markov_rank=8, **cfg),
+                         tiny_target).eval()
+
+
+def _without(drafter, capability: Capability):
+    """The same drafter, declaring everything but ``capability``."""
+    declared = drafter.capabilities() - {capability}
+    drafter.capabilities = lambda: declared
+    return drafter
+
+
+def _ctx(tiny_target, drafter, **ev) -> EvalContext:
+    return EvalContext(tiny_target, EvalConfig(max_new_tokens=NEW, warmup=False, **ev), drafter=drafter)
+
+
+def test_registry_says_what_each_method_needs_and_where_it_runs():
+    assert needs_drafter(["target_only", "drafter_tree"]) and needs_drafter(["vllm_drafter"])
+    assert not needs_drafter(["target_only", "prompt_lookup", "hf_assisted", "vllm_ngram"])
+    assert needs_assistant(["hf_assisted"]) and needs_assistant(["vllm_draft_model"])
+    assert not needs_assistant(["drafter", "hf_prompt_lookup", "vllm_generate"])
+    assert {n for n, m in METHODS.items() if m.in_vllm} == {n for n, m in METHODS.items() if m.peer == "vllm"}
+    assert METHODS["vllm_drafter"].engine_twin == "drafter" and METHODS["drafter"].build is not None
+
+
+def test_carryover_runs_with_a_drafter_that_declares_it(tiny_target, eval_prompt_list):
+    ctx = _ctx(tiny_target, _dspark(tiny_target, carryover=True), methods=["target_only", "drafter"],
+               carryover=True)
+    report = compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list[:1])
+    assert report.failures == [] and report.summaries["drafter"].lossless is True
+    assert report.summaries["drafter"].extra["carryover"] is True
+
+
+def test_carryover_is_refused_when_not_declared(tiny_target, eval_prompt_list):
+    ctx = _ctx(tiny_target, _without(_dspark(tiny_target, carryover=True), Capability.CARRYOVER),
+               methods=["drafter"], carryover=True)
+    with pytest.raises(ConfigError, match=r"eval\.carryover: .*needs capability carryover; drafter 'dspark'"):
+        compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list[:1])
+
+
+def test_causal_trees_are_refused_when_the_tree_head_is_not_declared(tiny_target, eval_prompt_list):
+    ctx = _ctx(tiny_target, _without(_dspark(tiny_target), Capability.CAUSAL_TREE_HEAD),
+               methods=["drafter_tree"], tree_builder="causal", tree_budget=4)
+    with pytest.raises(ConfigError, match=r"eval\.tree_builder: .*needs capability causal_tree_head; drafter 'dspark'"):
+        METHODS["drafter_tree"].build(ctx)
+    ctx.ev = EvalConfig(max_new_tokens=NEW, warmup=False, methods=["drafter_tree"], tree_builder="ddtree",
+                        tree_budget=4)
+    METHODS["drafter_tree"].build(ctx)  # the per-depth trees need no tree head
