@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from components.config import DrafterConfig
+from components.drafters.errors import DrafterError
 from components.drafters.layers import KV, LayerSizes
 from components.losses.common import LossInputs
 from components.spec.sampling import GREEDY, SamplingParams, probs_from_logits
@@ -43,10 +44,6 @@ if TYPE_CHECKING:
 
 DEFAULT_SAMPLING = SamplingParams()  # temperature 1, no top-k/top-p
 LAYER_ID_CONVENTION = "layer i = output of decoder layer i (0-based) = HF hidden_states[i+1]"
-
-
-class DrafterError(ValueError):
-    """A drafter cannot be built, loaded or used as asked; the message names what differs."""
 
 
 # ----------------------------------------------------------------------------- specs

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
 
-from components.drafters.base import DrafterError
+from components.drafters.errors import DrafterError
 
 if TYPE_CHECKING:
     import torch

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from components.config import ConfigError, EvalConfig, TinyTargetConfig
 from components.io import replace_dir
 from components.target import pretrain
-from components.target.hf import tokenizer_hash
+from components.target.tokenizer import tokenizer_hash
 
 INFO_FILE = "specline_assistant.json"
 

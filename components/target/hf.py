@@ -11,9 +11,7 @@ how the embedded default is built (it asks :mod:`components.target.tiny` for its
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,22 +28,14 @@ from transformers import (
 
 from components.config import EMBEDDED_TARGET, TargetConfig
 from components.target.attention import choose_attention
+from components.target.tiny import ensure_tiny_target
+from components.target.tokenizer import tokenizer_hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TargetError(ValueError):
     """A target cannot be loaded or used as asked; the message says what to fix."""
-
-
-def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
-    """A stable fingerprint of a tokenizer's vocabulary and merges (16 hex chars)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        blob = backend.to_str()
-    else:
-        blob = json.dumps(sorted(tokenizer.get_vocab().items()))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -173,9 +163,7 @@ def _looks_like_path(name: str) -> bool:
 def resolve_target_path(cfg: TargetConfig, progress: bool = True) -> str:
     """The embedded default's cached checkpoint (built if missing), a local dir, or a hub id."""
     if cfg.name_or_path == EMBEDDED_TARGET:
-        from components.target.tiny import ensure_tiny_target  # builds once, then cached
-
-        path, _, _ = ensure_tiny_target(cfg, progress=progress)
+        path, _, _ = ensure_tiny_target(cfg, progress=progress)  # builds once, then cached
         return str(path)
     if _looks_like_path(cfg.name_or_path):
         path = Path(cfg.name_or_path).expanduser()

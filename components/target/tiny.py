@@ -30,8 +30,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 from components.config import TargetConfig, TinyTargetConfig
 from components.target import corpus as corpus_mod
 from components.target import pretrain, quality
-from components.target.hf import tokenizer_hash
-from components.target.tokenizer import stop_token_ids, train_tokenizer
+from components.target.tokenizer import stop_token_ids, tokenizer_hash, train_tokenizer
 
 BUILDER_VERSION = 1
 INFO_FILE = "specline_target.json"

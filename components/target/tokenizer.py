@@ -4,15 +4,30 @@ Byte-level BPE (no unknown tokens), a fixed set of special tokens and a chat tem
 as an ordinary Hugging Face fast tokenizer so transformers and vLLM load it like any other.
 The mask token is a real vocabulary row reserved for block drafters (DFlash/DSpark).
 
-Knows nothing about the model or the corpus's origin: it takes an iterator of strings.
+``tokenizer_hash`` fingerprints any tokenizer (shards and drafters record it to refuse a
+mismatched target). Knows nothing about the model or the corpus's origin: it takes an
+iterator of strings.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A stable fingerprint of a tokenizer's vocabulary and merges (16 hex chars)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        blob = backend.to_str()
+    else:
+        blob = json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
 
 BOS, EOS, PAD, MASK = "<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>"
 SYSTEM, USER, ASSISTANT, END = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
