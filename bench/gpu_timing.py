@@ -132,6 +132,10 @@ class SyntheticAcceptance:
         self.layer_ids, self.num_drafts = drafter.layer_ids, drafter.num_drafts
         self.gen = torch.Generator().manual_seed(0)
 
+    def capabilities(self) -> frozenset:
+        """None: it wraps ``propose``/``consume`` only, so the engine drafts its rows one by one."""
+        return frozenset()
+
     def init_state(self, batch_size: int) -> dict:
         return {"inner": self.inner.init_state(batch_size), "ref": None, "length": 0, "prompt": 0}
 

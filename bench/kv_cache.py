@@ -5,7 +5,7 @@
 
 On the embedded target, greedy: ``batch`` requests, each a held-out prompt stretched to
 ``context`` tokens (held-out prompts joined), decode ``--new-tokens`` tokens through a
-``BatchEngine`` with ``preallocate=True`` (``components.engine.kv_slab``: keys/values written
+``BatchEngine`` with ``preallocate=True`` (``components.engine.cache.slab``: keys/values written
 in place in a buffer with headroom) and ``preallocate=False`` (every round ``torch.cat``s every
 layer's keys/values), interleaved ``--reps`` times; medians of the decode time (prefill
 excluded: it is the same for both). ``--requests N`` (> batch): N requests, at most ``batch``

@@ -23,7 +23,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.spec.cost import ProfileTable, schedule_draft_lengths
+from components.engine.schedule import AdaptiveDraftLength
+from components.spec.cost import ProfileTable
 from components.spec.gumbel import gumbel_noise
 from components.spec.tree_verify import verify_tree_greedy, verify_tree_sampling
 from components.spec.trees import ancestor_mask, build_best_first_trees, flatten_trees
@@ -97,7 +98,7 @@ def main() -> None:
     f = t["flat"]
     survival = torch.rand(args.batch, args.gamma, generator=torch.Generator().manual_seed(0))
     xs = torch.arange(1, args.batch * (args.gamma + 1) + 1, dtype=torch.float64)
-    sps = ProfileTable(xs, 100.0 / torch.clamp(xs / 256.0, min=1.0))
+    policy = AdaptiveDraftLength(ProfileTable(xs, torch.clamp(xs / 256.0, min=1.0) / 100.0), calibrate=False)
     cases: list[tuple[str, Callable[[], object]]] = [
         ("softmax [B, γ+1, V] (baseline)", lambda: torch.softmax(c["logits"], dim=-1)),
         ("chain greedy", lambda: verify_greedy(c["drafts"], c["lens"], c["logits"])),
@@ -117,7 +118,7 @@ def main() -> None:
         ("tree ancestor mask [B, N, N]", lambda: ancestor_mask(f.parents)),
         ("tree build best-first + flatten (host)",
          lambda: flatten_trees(build_best_first_trees(t["marginals"], args.tree_nodes))),
-        ("DSpark scheduler [B, γ]", lambda: schedule_draft_lengths(survival, sps)),
+        ("draft-length cap (DSpark objective) [B, γ]", lambda: policy.cap(survival, args.gamma)),
     ]
     print(f"device={device} batch={args.batch} gamma={args.gamma} vocab={args.vocab} "
           f"tree_nodes={args.tree_nodes} torch={torch.__version__} threads={torch.get_num_threads()}")

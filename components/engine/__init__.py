@@ -1,30 +1,43 @@
-"""The speculative decoding engine (chains): prefill, draft, verify, accept.
+"""The speculative decoding engine: prefill, draft, verify, accept.
 
-* ``engine``     -- ``SpeculativeEngine.generate`` (batch 1) and the ``target_only_generate`` baseline;
-* ``batch``      -- ``BatchEngine``: continuous batching over a ragged KV cache (``batch_cache``),
-  per-request rules/sampling/seeds/stop tokens, cancellation;
-* ``tree``       -- ``TreeEngine``: DDTree token trees per round (batch 1), greedy/Gumbel/sampling;
-* ``schedule``   -- fixed or adaptive (DSpark-style, load-aware) draft cap per round;
-* ``profile``    -- the batch engine's round times per (batch size, cap), for the adaptive cap;
-* ``async_engine`` -- ``AsyncEngine``: requests in, async token streams out (for serving);
-* ``rules``      -- greedy / Gumbel / speculative / block rules as the engine applies them;
-* ``model_free`` -- oracle, target-as-drafter and prompt-lookup drafters behind the same protocol.
+* ``engine``     -- ``SpeculativeEngine.generate`` (batch 1, chains; DLoop stages, carryover),
+  the ``target_only_generate`` baseline, the drafter protocol the engines need;
+* ``tree``       -- ``TreeEngine``: DDTree / causal token trees per round (batch 1);
+* ``rules``      -- greedy / Gumbel / speculative / block rules as the engines apply them;
+* ``schedule``   -- the draft-length policy: fixed, or adaptive (DSpark-style, load-aware) cap per round;
+* ``model_free`` -- oracle, target-as-drafter and prompt-lookup drafters behind the same protocol;
+* ``cache/``     -- the target's KV caches: preallocated layers (``slab``), a batch's ragged cache
+  (``ragged``);
+* ``batch/``     -- continuous batching: ``BatchEngine`` and its records, admission, batched
+  drafting, tree rounds, stats, round profiles and async streams (``AsyncEngine``).
 
-Knows nothing about tokenization or drafter families; see ``engine.py`` for what is left out.
+What an engine feature needs of a drafter beyond the core protocol is declared by the drafter
+(``components.drafters.capabilities``) and checked when the engine is built. Knows nothing about
+tokenization or drafter families; see ``engine.py`` for what is left out.
 """
 
-from components.engine.async_engine import AsyncEngine, EngineError
-from components.engine.batch import BatchEngine, Request, StepOutput
+from components.engine.batch import (
+    AsyncEngine,
+    BatchEngine,
+    EngineError,
+    Request,
+    StepOutput,
+    profile_round_times,
+    stored_round_times,
+)
 from components.engine.engine import GenerationResult, SpeculativeEngine, target_only_generate
 from components.engine.model_free import OracleDrafter, PromptLookupDrafter, TargetDrafter
 from components.engine.rules import RULES
+from components.engine.schedule import AdaptiveDraftLength, FixedDraftLength
 from components.engine.tree import TreeEngine
 
 __all__ = [
     "RULES",
+    "AdaptiveDraftLength",
     "AsyncEngine",
     "BatchEngine",
     "EngineError",
+    "FixedDraftLength",
     "GenerationResult",
     "OracleDrafter",
     "PromptLookupDrafter",
@@ -33,5 +46,7 @@ __all__ = [
     "StepOutput",
     "TargetDrafter",
     "TreeEngine",
+    "profile_round_times",
+    "stored_round_times",
     "target_only_generate",
 ]

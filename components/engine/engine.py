@@ -41,7 +41,7 @@ The engine knows nothing about tokenization (token id lists in and out), drafter
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,7 +50,7 @@ from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal
 from components.drafters.capabilities import Capability, require
-from components.engine.kv_slab import preallocate
+from components.engine.cache.slab import preallocate
 from components.engine.rules import RoundRandomness, Rule, get_rule
 from components.spec.sampling import SamplingParams
 from components.spec.verify import VerifyResult
@@ -59,16 +59,18 @@ from components.spec.verify import VerifyResult
 class EngineDrafter(Protocol):
     """What the engine needs from a drafter (``components.drafters.base.Drafter`` has it)."""
 
-    layer_ids: Seq[int]  # target taps to capture (may be empty)
+    layer_ids: Sequence[int]  # target taps to capture (may be empty)
     num_drafts: int  # default γ
 
     def init_state(self, batch_size: int) -> Any: ...
     def consume(self, state: Any, tokens: Tensor, hidden: Tensor | None) -> Any: ...
     def propose(self, state: Any, last_token: Tensor, sampling: SamplingParams = ...,
                 generator: torch.Generator | None = ..., num_drafts: int | None = ...) -> Proposal: ...
+    def capabilities(self) -> frozenset[Capability]: ...
 
-    # Optional: ``consume_own`` (DLoop, loop_stages > 1); ``Capability.CARRYOVER`` and
-    # ``with_carry(state, hidden_rejected [1, k, n, H], start_position)`` (carryover=True).
+    # Declared, not probed (``components.drafters.capabilities``): ``OWN_CONTEXT`` (``consume_own``)
+    # for loop_stages > 1 and ``CARRYOVER`` (``with_carry``) for carryover=True are required when
+    # the engine is built; ``BATCHED_PROPOSE``/``BATCHED_CONSUME`` are the batch engine's fast paths.
 
 
 @dataclass
@@ -102,7 +104,7 @@ class GenerationResult:
 
 
 @dataclass
-class Sequence:
+class SequenceState:
     """One request's running state between rounds (see the invariant in the module docstring)."""
 
     cache: Any  # the target's KV cache, n-1 positions
@@ -148,7 +150,7 @@ class SpeculativeEngine:
         block on its own states (``consume_own``), up to ``loop_stages`` blocks per round.
         ``carryover`` hands the target's states of each round's rejected drafts to the drafter
         (``with_carry``) as context for the next round's first block. ``preallocate``: the KV
-        cache grows in place in a buffer with headroom (``kv_slab``) instead of by ``torch.cat``."""
+        cache grows in place in a buffer with headroom (``cache.slab``) instead of by ``torch.cat``."""
         self.target = target
         self.preallocate = bool(preallocate)
         self.drafter = drafter
@@ -157,6 +159,9 @@ class SpeculativeEngine:
         self.layer_ids = list(drafter.layer_ids)
         if loop_stages < 1:
             raise ValueError(f"loop_stages must be >= 1, got {loop_stages}")
+        if loop_stages > 1:
+            require(drafter, f"engine loop_stages={loop_stages} (DLoop)", Capability.OWN_CONTEXT,
+                    hint="a block drafter (dflash, dspark) drafts on its own states")
         self.loop_stages, self.loop_gate = int(loop_stages), float(loop_gate)
         if carryover:
             require(drafter, "engine carryover=True", Capability.CARRYOVER,
@@ -164,16 +169,16 @@ class SpeculativeEngine:
         self.carryover = bool(carryover)
 
     # ------------------------------------------------------------------ steps
-    def prefill(self, prompt: Tensor, rnd: RoundRandomness) -> Sequence:
+    def prefill(self, prompt: Tensor, rnd: RoundRandomness) -> SequenceState:
         """prompt [1, P] → the sequence after the first new token (sampled from the prefill)."""
         out = self.target.forward(prompt, layer_ids=self.layer_ids, use_cache=True)
         p = prompt.shape[1]
         first = self.rule.sample_target(out.logits[:, -1:], _positions(p, 1, prompt.device), rnd)[:, 0]
         state = self.drafter.consume(self.drafter.init_state(1), prompt, out.hidden)
         cache = preallocate(out.cache) if self.preallocate else out.cache
-        return Sequence(cache, state, first, p + 1, [int(first)])
+        return SequenceState(cache, state, first, p + 1, [int(first)])
 
-    def draft(self, seq: Sequence, gamma: int, rnd: RoundRandomness) -> tuple[Proposal, Tensor]:
+    def draft(self, seq: SequenceState, gamma: int, rnd: RoundRandomness) -> tuple[Proposal, Tensor]:
         """Proposal and the draft tokens [1, γ] to verify (predicting positions n..n+γ-1).
 
         With DLoop, γ may span several stages; later stages run on a throw-away drafter state
@@ -200,7 +205,7 @@ class SpeculativeEngine:
         log_q = torch.log_softmax(prop.logits.float(), dim=-1).gather(-1, picked.unsqueeze(-1))
         return float(log_q.sum()) >= self.loop_gate
 
-    def verify(self, seq: Sequence, prop: Proposal, drafts: Tensor,
+    def verify(self, seq: SequenceState, prop: Proposal, drafts: Tensor,
                rnd: RoundRandomness) -> tuple[VerifyResult, Tensor | None, Any]:
         """One target forward over [x_{n-1}, drafts] [1, γ+1] → (result, hidden [1, γ+1, n, H], cache)."""
         ids = torch.cat([seq.last_token[:, None], drafts], dim=1)
@@ -209,8 +214,8 @@ class SpeculativeEngine:
         result = self.rule.verify(drafts, out.logits, prop, positions, rnd)
         return result, out.hidden, out.cache
 
-    def accept(self, seq: Sequence, drafts: Tensor, result: VerifyResult, hidden: Tensor | None,
-               cache: Any) -> Sequence:
+    def accept(self, seq: SequenceState, drafts: Tensor, result: VerifyResult, hidden: Tensor | None,
+               cache: Any) -> SequenceState:
         """Commit x_{n-1} + the accepted drafts: crop the cache, feed their hidden states."""
         a = int(result.num_accepted[0])
         committed = seq.length + a  # positions now in the cache: x_0 .. x_{n-1+a}
@@ -218,34 +223,23 @@ class SpeculativeEngine:
         tokens = torch.cat([seq.last_token[:, None], drafts[:, :a]], dim=1)  # [1, a+1]
         kept = hidden[:, : a + 1] if hidden is not None else None
         state = self.drafter.consume(seq.draft_state, tokens, kept)  # drops any earlier carry
-        rows = 0
+        carried = 0
         if self.carryover and hidden is not None:
-            # [1, rows, n, H]: the rejected d_{m+1}.. (m = a accepted), at positions committed..
+            # [1, carried, n, H]: the rejected d_{m+1}.. (m = a accepted), at positions committed..
             rejected = hidden[:, a + 1:a + 1 + self.gamma]
-            rows = rejected.shape[1]
-            if rows:
+            carried = rejected.shape[1]
+            if carried:
                 state = self.drafter.with_carry(state, rejected, committed)
         emitted = drafts[0, :a].tolist() + [int(result.next_token[0])]
-        return Sequence(cache, state, result.next_token, committed + 1, seq.new_tokens + emitted, rows)
+        return SequenceState(cache, state, result.next_token, committed + 1, seq.new_tokens + emitted, carried)
 
     # ------------------------------------------------------------------ loop
-    @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = DEFAULT_SAMPLING,
                  seed: int = 0) -> GenerationResult:
         """Exactly ``max_new_tokens`` new token ids after ``prompt_ids`` (lossless under the rule)."""
-        dev = self.target.device
-        rnd = new_randomness(sampling, seed, dev)
-        clock = time.perf_counter()
-        seq = self.prefill(torch.tensor([prompt_ids], dtype=torch.long, device=dev), rnd)
-        sync_device(dev)
-        res = GenerationResult([], target_forwards=1, prefill_seconds=time.perf_counter() - clock)
-        while len(seq.new_tokens) < max_new_tokens:
-            seq = self.round(seq, max_new_tokens - len(seq.new_tokens), rnd, res)
-        res.tokens = seq.new_tokens[:max_new_tokens]
-        res.total_seconds = time.perf_counter() - clock
-        return res
+        return decode(self, prompt_ids, max_new_tokens, sampling, seed)
 
-    def round(self, seq: Sequence, remaining: int, rnd: RoundRandomness, res: GenerationResult) -> Sequence:
+    def round(self, seq: SequenceState, remaining: int, rnd: RoundRandomness, res: GenerationResult) -> SequenceState:
         """One draft-verify-accept round, timed into ``res``."""
         dev = seq.last_token.device
         gamma = max(1, min(self.gamma * self.loop_stages, remaining - 1))  # a round emits up to γ+1 tokens
@@ -261,6 +255,34 @@ class SpeculativeEngine:
         res.verify_seconds += time.perf_counter() - t1
         res.add_round(int(result.num_accepted[0]), drafts.shape[1], carried)
         return seq
+
+
+class RoundEngine(Protocol):
+    """What ``decode`` runs: a prefill and rounds that keep the invariant of the module docstring
+    (``SpeculativeEngine`` with chains, ``tree.TreeEngine`` with token trees)."""
+
+    target: Any
+
+    def prefill(self, prompt: Tensor, rnd: RoundRandomness) -> SequenceState: ...
+    def round(self, seq: SequenceState, remaining: int, rnd: RoundRandomness,
+              res: GenerationResult) -> SequenceState: ...
+
+
+@torch.no_grad()
+def decode(engine: RoundEngine, prompt_ids: list[int], max_new_tokens: int,
+           sampling: SamplingParams = DEFAULT_SAMPLING, seed: int = 0) -> GenerationResult:
+    """Prefill, then ``engine``'s rounds until ``max_new_tokens`` new tokens exist, timed."""
+    dev = engine.target.device
+    rnd = new_randomness(sampling, seed, dev)
+    clock = time.perf_counter()
+    seq = engine.prefill(torch.tensor([prompt_ids], dtype=torch.long, device=dev), rnd)
+    sync_device(dev)
+    res = GenerationResult([], target_forwards=1, prefill_seconds=time.perf_counter() - clock)
+    while len(seq.new_tokens) < max_new_tokens:
+        seq = engine.round(seq, max_new_tokens - len(seq.new_tokens), rnd, res)
+    res.tokens = seq.new_tokens[:max_new_tokens]
+    res.total_seconds = time.perf_counter() - clock
+    return res
 
 
 def _concat(props: list[Proposal]) -> Proposal:

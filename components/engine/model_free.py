@@ -11,7 +11,8 @@
 
 All three keep the committed token ids (the hidden states they are given are ignored, so they
 ask for no target taps: ``layer_ids = []``) and return one-hot or processed distributions as q.
-They know nothing about verification rules or caches.
+They declare no capabilities (``capabilities()`` is empty): no batched passes, no DLoop stages,
+no carryover, no causal tree head. They know nothing about verification rules or caches.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal, sample_tokens
+from components.drafters.capabilities import Capability
 from components.spec.sampling import SamplingParams
 
 
@@ -51,6 +53,10 @@ class TokenDrafter:
         self.vocab_size = vocab_size
         self.num_drafts = num_drafts
         self.device = torch.device(device)
+
+    def capabilities(self) -> frozenset[Capability]:
+        """None beyond the core protocol: one request at a time, no own states, no carryover."""
+        return frozenset()
 
     def init_state(self, batch_size: int) -> TokenState:
         if batch_size != 1:

@@ -3,7 +3,8 @@
 The batch engine verifies every row in one padded pass of B·(G+1) tokens, G = the longest
 draft in the batch, so a round's cost depends on G, not on each row's own length. The adaptive
 policy therefore picks one cap G per round, before drafting, maximising expected tokens per
-second (the DSpark scheduler's objective, ``components.spec.cost``, for a padded pass)::
+second (the objective of DSpark's scheduler, Cheng et al. 2026, Algorithm 1, with one cap for
+the padded pass where DSpark admits a length per request)::
 
     E[tokens](G) = Σ_b (1 + Σ_{k≤G} a_{b,k})            a_{b,k}: P(first k drafts of b accepted)
     time(G)      = s·T(B·(G+1)) + o + [G > 0]·t_draft    T: profiled target forward time
@@ -28,12 +29,11 @@ rounds, and between two rows' expected ends the rows still running pay time(rows
     drain(G) = Σ_i (r_(i) - r_(i-1)) · time(B - i + 1, G)      r_(1) ≤ … ≤ r_(B): rows' rounds
 
 (drafts past a row's last token count for nothing). At batch 1 it is the same choice as tokens
-per second. Maximising the share of its work the slowest row gets done per second instead, as
-this policy first did, ignores that the batch shrinks: on a closed batch of 16 it held 16 rows
-at cap 3 for 9 rounds where γ = 7 emptied 11 of them in 4 (1.63 s against 1.39 s).
+per second. Maximising the share of its work the slowest row gets done per second instead
+would ignore that the batch shrinks as rows finish.
 
 Better than T(n) and those means, where it can be afforded: ``round_time``, the engine's whole
-round profiled per (B, G) before serving (``profile.profile_round_times``); time(G) is then
+round profiled per (B, G) before serving (``batch.profile.profile_round_times``); time(G) is then
 read from it, and what drafting and bookkeeping really cost at each width is known from the
 first round instead of learned at a loss in every batch size.
 
@@ -45,9 +45,8 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   accepted), against how many of those rows accepted draft k; each row's conditionals are
   scaled by the ratio and multiplied back into survival. Conditional, because a position is
   only seen in rounds that drafted that deep, and which rows those are depends on the cap the
-  policy chose: calibrating P(first k accepted) itself left a trained DSpark head's survival
-  at position 7 at ~0.32 where fixed γ measured 0.47 (64-token requests, 16 in flight), the
-  rows of its cap-7 rounds having accepted all 7 drafts in only 0.17-0.21 of cases;
+  policy chose: calibrating P(first k accepted) itself would carry the acceptance of the rows
+  that happened to draft deep over to every row;
 * measured time: a (batch size, cap) already played is priced at its measured round seconds
   (running mean); one not played yet at the model's seconds times its side's measured/model
   ratio in the batch-size bucket (one ratio for plain rounds, one for all drafting caps, each
@@ -62,7 +61,7 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   side that keeps losing costs a try in ``recheck`` rounds. Plain rounds themselves are never
   tried when the rounds were profiled, and re-tried only every ``recheck`` rounds once their
   time at that batch size is measured: their tokens are certain, so a try could only refresh
-  the time (at one request in flight, the tries every 32 rounds cost ~3% of its speed).
+  the time.
 
 Knows timings and acceptance numbers only; nothing about models, rules or caches.
 """
@@ -150,7 +149,7 @@ class AdaptiveDraftLength:
     against the clock (module docstring)."""
 
     forward_time: ProfileTable | None = None  # seconds of a target pass over n tokens
-    round_time: Any = None  # profiled seconds of a whole round, (B, G) -> s (``profile.RoundTimes``)
+    round_time: Any = None  # profiled seconds of a whole round, (B, G) -> s (``batch.profile.RoundTimes``)
     draft_seconds: float = 0.0  # running mean per drafting round (learned from observe)
     scale: float = 1.0  # measured forward seconds / T(n) (running mean)
     overhead: float = 0.0  # seconds per round outside drafting and the target forward (running mean)

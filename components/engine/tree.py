@@ -14,13 +14,15 @@ One round, for committed x_0..x_{n-1} (the invariant of ``engine.py``)::
                the rule walks the tree (``spec.tree_verify``): greedy, Gumbel (shared noise keyed
                by absolute position) or lossless sampling for a deterministic tree;
     accept  -- the root and the accepted path's slots are moved together in the KV cache
-               (``batch_cache.keep_slots``: a gather, nothing recomputed), the rest dropped; the
+               (``cache.keep_slots``: a gather, nothing recomputed), the rest dropped; the
                drafter consumes the path's hidden states from the verify pass.
 
 The output is the target's own under each rule (tests: greedy and Gumbel token for token,
-sampling by a chi-square test). Not combined with DLoop stages or carryover (refused), and the
-``block`` rule is for chains only. Knows the engine protocol of drafters and the tree builders
-and verifiers of ``components.spec``; nothing about drafter families.
+sampling by a chi-square test). Not combined with DLoop stages or carryover, and the ``block``
+rule is for chains only. The prefill and the loop are the chain engine's (``engine.py``); the
+causal builder needs a drafter declaring ``Capability.CAUSAL_TREE_HEAD`` (refused at build time
+otherwise). Knows the engine protocol of drafters and the tree builders and verifiers of
+``components.spec``; nothing about drafter families.
 """
 
 from __future__ import annotations
@@ -31,12 +33,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from components.engine.batch_cache import keep_slots
+from components.drafters.base import DEFAULT_SAMPLING
+from components.drafters.capabilities import Capability, require
+from components.engine.cache.ragged import keep_slots
 from components.engine.engine import (
     EngineDrafter,
     GenerationResult,
-    Sequence,
+    SequenceState,
     SpeculativeEngine,
+    decode,
     sync_device,
 )
 from components.engine.rules import GumbelRule, RoundRandomness
@@ -58,8 +63,9 @@ from components.spec.trees import (
 TREE_RULES = ("greedy", "gumbel", "speculative")
 
 
-class TreeEngine(SpeculativeEngine):
-    """``SpeculativeEngine`` with a DDTree of up to ``budget`` nodes per round in place of a chain."""
+class TreeEngine:
+    """Rounds with a DDTree of up to ``budget`` nodes in place of a chain; the prefill is that of
+    a ``SpeculativeEngine`` of the same rule (``chain``)."""
 
     def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_drafts: int | None = None,
                  budget: int = 16, builder: str = "ddtree", top_m: int = 8, preallocate: bool = True):
@@ -72,13 +78,24 @@ class TreeEngine(SpeculativeEngine):
             raise ValueError(f"tree engine: budget must be >= 1 node, got {budget}")
         if builder not in ("ddtree", "causal"):
             raise ValueError(f"tree engine: builder '{builder}' is not 'ddtree' or 'causal'")
-        if builder == "causal" and not hasattr(drafter, "causal_tree_head"):
-            raise ValueError("tree engine: builder 'causal' needs a drafter with a causal head (causal_tree_head, "
-                             "e.g. DSpark with markov_head linear/rnn); use builder 'ddtree'")
-        super().__init__(target, drafter, rule, num_drafts, preallocate=preallocate)
+        if builder == "causal":
+            require(drafter, "tree engine builder 'causal'", Capability.CAUSAL_TREE_HEAD,
+                    hint="e.g. DSpark with markov_head linear/rnn has it; else use builder 'ddtree'")
+        self.chain = SpeculativeEngine(target, drafter, rule, num_drafts, preallocate=preallocate)
+        self.target, self.drafter, self.rule = target, drafter, self.chain.rule
+        self.gamma, self.layer_ids = self.chain.gamma, self.chain.layer_ids
         self.budget, self.builder, self.top_m = int(budget), builder, int(top_m)
 
-    def draft_tree(self, seq: Sequence, depth: int, rnd: RoundRandomness) -> TokenTree:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = DEFAULT_SAMPLING,
+                 seed: int = 0) -> GenerationResult:
+        """Exactly ``max_new_tokens`` new token ids after ``prompt_ids`` (lossless under the rule)."""
+        return decode(self, prompt_ids, max_new_tokens, sampling, seed)
+
+    def prefill(self, prompt: Tensor, rnd: RoundRandomness) -> SequenceState:
+        """prompt [1, P] → the sequence after the first new token (``SpeculativeEngine.prefill``)."""
+        return self.chain.prefill(prompt, rnd)
+
+    def draft_tree(self, seq: SequenceState, depth: int, rnd: RoundRandomness) -> TokenTree:
         """The DDTree of the drafter's γ-slot distributions (≤ ``budget`` nodes, depth ≤ ``depth``)."""
         prop = self.drafter.propose(seq.draft_state, seq.last_token, self.rule.draft_sampling(rnd), rnd.generator,
                                     num_drafts=depth)
@@ -89,7 +106,7 @@ class TreeEngine(SpeculativeEngine):
             return build_causal_trees(log_q[None], seq.last_token, head, self.budget, self.top_m)[0]
         return build_best_first_tree(log_q, self.budget)
 
-    def verify_tree(self, seq: Sequence, tree: TokenTree,
+    def verify_tree(self, seq: SequenceState, tree: TokenTree,
                     rnd: RoundRandomness) -> tuple[TreeVerifyResult, Tensor | None, Any]:
         """One target forward over [x_{n-1}, nodes] → (walk result, hidden [1, N+1, n, H], cache)."""
         dev, past = seq.last_token.device, seq.length - 1
@@ -111,8 +128,8 @@ class TreeEngine(SpeculativeEngine):
                                           generator=rnd.generator)
         return result, out.hidden, out.cache
 
-    def accept_tree(self, seq: Sequence, tree: TokenTree, result: TreeVerifyResult, hidden: Tensor | None,
-                    cache: Any) -> Sequence:
+    def accept_tree(self, seq: SequenceState, tree: TokenTree, result: TreeVerifyResult, hidden: Tensor | None,
+                    cache: Any) -> SequenceState:
         """Keep the root and the accepted path in the cache; the drafter consumes them."""
         a = int(result.num_accepted[0])
         path = result.path[0, :a]  # accepted node indices, by depth
@@ -123,9 +140,10 @@ class TreeEngine(SpeculativeEngine):
         kept_hidden = hidden[:, kept] if hidden is not None else None
         state = self.drafter.consume(seq.draft_state, tokens, kept_hidden)
         emitted = path_tokens.tolist() + [int(result.next_token[0])]
-        return Sequence(cache, state, result.next_token, seq.length + a + 1, seq.new_tokens + emitted)
+        return SequenceState(cache, state, result.next_token, seq.length + a + 1, seq.new_tokens + emitted)
 
-    def round(self, seq: Sequence, remaining: int, rnd: RoundRandomness, res: GenerationResult) -> Sequence:
+    def round(self, seq: SequenceState, remaining: int, rnd: RoundRandomness, res: GenerationResult) -> SequenceState:
+        """One draft-verify-accept round with a tree, timed into ``res``."""
         dev = seq.last_token.device
         depth = max(1, min(self.gamma, remaining - 1))
         t0 = time.perf_counter()

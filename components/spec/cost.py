@@ -1,4 +1,4 @@
-"""Cost model of speculative decoding and DSpark's batch draft-length scheduler.
+"""Cost model of speculative decoding: acceptance lengths, speedups, forward-time curves.
 
 Quantities (the survey's notation):
 
@@ -7,9 +7,10 @@ Quantities (the survey's notation):
   survival probabilities a_k = P(first k drafts accepted); for a tree, 1 + Σ_v P(path to v);
 * speedup = τ / (n_draft·c + 1), c = one drafter pass relative to one target pass;
 * batched speedup = τ(N)·T(B) / (T(B(N+1)) + T_draft) with a forward-time curve T(n);
-* drafter KV-cache bytes = 2 (K and V) · dtype bytes · tokens · layers · kv heads · head dim;
-* the DSpark scheduler: per-request draft lengths γ_b maximising
-  (Σ_b 1 + Σ_{k≤γ_b} a_{b,k}) · SPS(Σ_b (γ_b + 1)) against a profiled steps-per-second table.
+* drafter KV-cache bytes = 2 (K and V) · dtype bytes · tokens · layers · kv heads · head dim.
+
+The draft-length scheduler that uses these (DSpark's, one cap per padded batch pass) is
+``components.engine.schedule.AdaptiveDraftLength``.
 
 Forward-time and SPS curves are callables ``n -> value`` on tensors; ``ProfileTable`` turns a
 profiled table into one by linear interpolation. What this module does not know: models,
@@ -19,13 +20,11 @@ hardware (it only sees the numbers it is given) and verification rules.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 __all__ = [
-    "DraftSchedule",
     "ProfileTable",
     "acceptance_length",
     "acceptance_length_constant",
@@ -35,8 +34,6 @@ __all__ = [
     "drafter_kv_cache_bytes",
     "gumbel_match_probability",
     "roofline_forward_time",
-    "schedule_draft_lengths",
-    "schedule_objective",
     "speedup",
     "tree_acceptance_length",
 ]
@@ -145,75 +142,3 @@ def drafter_kv_cache_bytes(
 ) -> int:
     """Bytes of a drafter's own KV cache: 2 (K, V) · dtype · tokens · layers · heads · dim · batch."""
     return 2 * dtype_bytes * num_tokens * num_layers * num_kv_heads * head_dim * batch
-
-
-@dataclass
-class DraftSchedule:
-    """The scheduler's choice for one batch."""
-
-    draft_lens: Tensor     # [B] long, γ_b per request
-    expected_tokens: float  # Σ_b (1 + Σ_{k≤γ_b} a_{b,k}), expected tokens this round
-    steps_per_second: float  # SPS at Σ_b (γ_b + 1) verify tokens
-    objective: float        # expected_tokens · steps_per_second (expected tokens per second)
-
-
-def _as_survival(survival: Tensor) -> Tensor:
-    """Survival [B, γ] clipped to [0, 1] and made non-increasing along the draft."""
-    return survival.double().clamp(0.0, 1.0).cummin(dim=-1).values
-
-
-def schedule_objective(survival: Tensor, draft_lens: Tensor, steps_per_second: Curve) -> float:
-    """(expected tokens per round) · SPS(total verify tokens) for given γ_b.
-
-    survival: [B, γ] a_{b,k} = P(first k drafts of request b accepted); draft_lens: [B] long.
-    """
-    a = _as_survival(survival)
-    keep = torch.arange(a.shape[1])[None, :] < draft_lens.cpu()[:, None]
-    tokens = a.shape[0] + float((a.cpu() * keep).sum())
-    total = float((draft_lens.cpu() + 1).sum())
-    return tokens * float(steps_per_second(torch.tensor(total, dtype=torch.float64)))
-
-
-def _pick_admissions(objective: Tensor, stop_at_first_drop: bool) -> int:
-    """Number of admitted draft positions: global argmax, or the point before the first drop."""
-    if stop_at_first_drop:
-        drops = (objective[1:] < objective[:-1]).nonzero()
-        if drops.numel():
-            return int(drops[0])
-        finite = torch.isfinite(objective).nonzero()
-        return int(finite[-1]) if finite.numel() else 0
-    return int(objective.argmax())
-
-
-def schedule_draft_lengths(
-    survival: Tensor,  # [B, γ] a_{b,k}: e.g. cumprod of confidence-head outputs
-    steps_per_second: Curve,
-    max_total_tokens: float | None = None,
-    stop_at_first_drop: bool = False,
-) -> DraftSchedule:
-    """DSpark's hardware-aware prefix scheduler (Cheng et al., 2026, Algorithm 1).
-
-    Every request verifies at least its bonus slot (γ_b ≥ 0, one token). Candidate positions
-    (b, k) are admitted in order of decreasing survival a_{b,k}; since a_{b,k} does not increase
-    along k, admitting the top-n of all positions gives every request a prefix. For each n the
-    objective is (B + sum of the top-n survivals) · SPS(B + n); the scheduler takes the best n
-    (global argmax, which can never lose to any fixed γ on its own objective), or with
-    ``stop_at_first_drop`` the paper's early stop at the first decrease. Totals above
-    ``max_total_tokens`` (default: the SPS table's x_max if it has one) are not allowed.
-    """
-    a = _as_survival(survival)
-    bsz, gamma = a.shape
-    flat = a.reshape(-1).cpu()
-    values, order = flat.sort(descending=True, stable=True)
-    gained = torch.cat([torch.zeros(1, dtype=torch.float64), values.cumsum(dim=0)])
-    total = bsz + torch.arange(bsz * gamma + 1, dtype=torch.float64)
-    sps = steps_per_second(total).double().cpu()
-    objective = (bsz + gained) * sps
-    limit = max_total_tokens if max_total_tokens is not None else getattr(steps_per_second, "x_max", None)
-    if limit is not None:
-        objective = torch.where(total <= limit, objective, torch.full_like(objective, float("-inf")))
-    n = _pick_admissions(objective, stop_at_first_drop)
-    admitted = torch.zeros(bsz * gamma, dtype=torch.bool)
-    admitted[order[:n]] = True
-    lens = admitted.view(bsz, gamma).sum(dim=-1).to(survival.device)
-    return DraftSchedule(lens, float(bsz + gained[n]), float(sps[n]), float((bsz + gained[n]) * sps[n]))

@@ -10,6 +10,7 @@ import torch
 
 from components.config import DrafterConfig
 from components.drafters.base import DraftBatch, DrafterError
+from components.drafters.capabilities import CapabilityError
 from components.drafters.registry import build_drafter
 from components.engine import OracleDrafter, SpeculativeEngine
 from components.losses import build_loss
@@ -138,7 +139,8 @@ def test_refuses_drafters_without_carryover(tiny_target):
     eagle = build_drafter(DrafterConfig(name="eagle3", ttt_steps=2), tiny_target)
     oracle = OracleDrafter([1, 2, 3], tiny_target.vocab_size, 2)
     for drafter, name in ((plain, "dflash"), (eagle, "eagle3"), (oracle, "OracleDrafter")):
-        with pytest.raises(ValueError, match=f"carryover=True: drafter '{name}'.*drafter.carryover=true"):
+        with pytest.raises(CapabilityError, match=f"carryover=True needs capability carryover; drafter '{name}'"
+                                                  ".*drafter.carryover=true"):
             SpeculativeEngine(tiny_target, drafter, carryover=True)
     SpeculativeEngine(tiny_target, plain)  # carryover off: fine
     n, h = len(plain.layer_ids), tiny_target.hidden_size

@@ -9,9 +9,11 @@ import torch
 
 from components.config import DrafterConfig
 from components.drafters.base import Proposal
+from components.drafters.capabilities import Capability
 from components.drafters.registry import build_drafter
 from components.engine import SpeculativeEngine
 from components.spec.sampling import SamplingParams
+from tests.components.engine.doubles import markov_target
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts
 from tests.components.engine.test_engine_sampling import (
     FixedQDrafter,
@@ -46,6 +48,9 @@ def test_dloop_gate_zero_never_loops_a_random_drafter(tiny_target):
 class LoopingFixedQ(FixedQDrafter):
     """FixedQDrafter with (dummy) own states, so the engine loops it stage after stage."""
 
+    def capabilities(self) -> frozenset[Capability]:
+        return frozenset({Capability.OWN_CONTEXT})
+
     def propose(self, state, last_token, sampling=None, generator=None, num_drafts=None) -> Proposal:
         prop = super().propose(state, last_token, sampling, generator, num_drafts)
         prop.states = torch.zeros(1, prop.tokens.shape[1], 1)
@@ -57,11 +62,13 @@ class LoopingFixedQ(FixedQDrafter):
 
 def test_dloop_sampled_sequences_follow_target(tiny_target):
     """Speculative sampling over two one-token stages in the first round: 4 new tokens (the
-    prefill's, two drafts and the bonus/recovered one, then more), top-k 2: 16 outcomes."""
+    prefill's, two drafts and the bonus/recovered one, then more), top-k 2 on the two-token
+    Markov target (``doubles``): 16 outcomes of known probability."""
     prompt, length, n = prompt_of(tiny_target), 4, 300
+    target, _, _ = markov_target(tiny_target, prompt)
     sampling = SamplingParams(temperature=1.0, top_k=2)
-    expected, q = expected_and_q(tiny_target, prompt, sampling, length)
-    engine = SpeculativeEngine(tiny_target, LoopingFixedQ(q, 1), rule="speculative", loop_stages=2,
+    expected, q = expected_and_q(target, prompt, sampling, length)
+    engine = SpeculativeEngine(target, LoopingFixedQ(q, 1), rule="speculative", loop_stages=2,
                                loop_gate=float("-inf"))
     counts: dict[tuple, int] = {}
     two_stage = 0

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from components.drafters.capabilities import CapabilityError
 from components.engine import OracleDrafter, TargetDrafter, target_only_generate
 from components.engine.tree import TreeEngine
 from components.spec.sampling import SamplingParams
+from tests.components.engine.doubles import SecondGuessDrafter, markov_target
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
 from tests.components.engine.test_engine_sampling import (
     FixedQDrafter,
@@ -43,10 +45,16 @@ def test_tree_holding_the_target_path_accepts_its_full_depth(tiny_target):
 
 
 def test_wider_trees_accept_more(tiny_target):
-    drafter = random_drafter(tiny_target, "dflash")
-    prompt = prompts(tiny_target)[0]
-    taus = [TreeEngine(tiny_target, drafter, budget=b).generate(prompt, 40).tau for b in (1, 32)]
-    assert taus[1] >= taus[0]
+    """Every slot's favourite is wrong and its runner-up right (``SecondGuessDrafter``): a one-node
+    tree accepts nothing, a tree of all 2 + 4 + 8 + 16 two-way paths holds the target's own and
+    accepts its whole depth, whatever the fixture's weights."""
+    gamma, prompt = 4, prompts(tiny_target)[0]
+    max_new = 1 + 3 * (gamma + 1)  # three full rounds
+    ref = target_only_generate(tiny_target, prompt, max_new).tokens
+    drafter = SecondGuessDrafter([prompt + ref], tiny_target.vocab_size, gamma)
+    outs = [TreeEngine(tiny_target, drafter, budget=b).generate(prompt, max_new) for b in (1, 30)]
+    assert all(out.tokens == ref for out in outs)
+    assert outs[0].tau == 1 and outs[1].tau == gamma + 1
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -59,12 +67,14 @@ def test_tree_gumbel_equals_target_gumbel(tiny_target, seed):
 
 
 def test_tree_sampling_follows_target(tiny_target):
-    """As the chain test in test_engine_sampling: 3 new tokens, top-k 2, 300 seeds; the tree is
-    built from q (uniform over the support plus one token the target never emits)."""
+    """As the chain test in test_engine_sampling: 3 new tokens, top-k 2, 300 seeds, on the
+    two-token Markov target; the tree is built from q (uniform over A, B and one token the
+    target never emits)."""
     prompt, length, n = prompt_of(tiny_target), 3, 300
+    target, _, _ = markov_target(tiny_target, prompt)
     sampling = SamplingParams(temperature=1.0, top_k=2)
-    expected, q = expected_and_q(tiny_target, prompt, sampling, length)
-    engine = TreeEngine(tiny_target, FixedQDrafter(q, 2), rule="speculative", budget=4)
+    expected, q = expected_and_q(target, prompt, sampling, length)
+    engine = TreeEngine(target, FixedQDrafter(q, 2), rule="speculative", budget=4)
     counts: dict[tuple, int] = {}
     accepted = 0
     for seed in range(n):
@@ -84,7 +94,7 @@ def test_causal_trees_from_the_dspark_head_are_lossless(tiny_target, references,
         if rule == "gumbel":
             ref = target_only_generate(tiny_target, prompt, MAX_NEW, sampling, 5, rule="gumbel").tokens
         assert engine.generate(prompt, MAX_NEW, sampling, 5).tokens == ref
-    with pytest.raises(ValueError, match="causal head"):
+    with pytest.raises(CapabilityError, match="builder 'causal' needs capability causal_tree_head; drafter 'dflash'"):
         TreeEngine(tiny_target, random_drafter(tiny_target, "dflash"), builder="causal")
 
 

@@ -99,7 +99,7 @@ def test_draining_batch_counts_on_easy_rows_leaving():
     """A closed batch of 16 with 4 hard rows: easy rows finish early at a deep cap and the rounds
     after them are cheaper (round time grows with the rows), so the policy drafts deeper than for
     16 hard rows, where nobody leaves early; it picks the cap of the least expected time."""
-    from components.engine.profile import RoundTimes
+    from components.engine.batch.profile import RoundTimes
 
     sizes = [1, 4, 8, 16]
     table = RoundTimes(sizes, torch.tensor([[0.015 + 0.0025 * b * (1 + 0.25 * g) for g in range(GAMMA + 1)]
@@ -120,7 +120,7 @@ def test_draining_batch_follows_the_row_that_finishes_last():
     costing 3.5 plain rounds: for tokens per second drafting wins; for a batch that is draining
     (no request waiting), the poor row would need about as many rounds as plain decoding, each
     3.5 times dearer, so the policy plays plain rounds. At batch 1 both objectives agree."""
-    from components.engine.profile import RoundTimes
+    from components.engine.batch.profile import RoundTimes
 
     seconds = [0.037] + [0.037 * (1 + 2.5 * g / GAMMA) for g in range(1, GAMMA + 1)]
     table = RoundTimes([16], torch.tensor([seconds]))
@@ -167,3 +167,35 @@ def test_deep_positions_seen_only_in_hard_rows_do_not_lower_every_row():
         policy.observe(accepted, drafted, 0.1, 0.8, 1.0, 10 * (max(drafted) + 1))
     est = policy.calibrated(conf)[0]
     assert float(est[GAMMA - 1]) > 0.95 * float(est[2]) and 0.35 < float(est[0]) < 0.5
+
+
+def test_cap_is_the_best_cap_by_brute_force():
+    """Uncalibrated, the cap maximises the expected tokens per second of the round model
+    s·T(B·(G+1)) + o + [G > 0]·t_draft over every cap 0..γ (DSpark's objective with one cap per
+    padded pass), on random survivals and forward curves: no fixed draft length beats it on its
+    own objective."""
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(30):
+        bsz = int(torch.randint(1, 12, (1,), generator=gen))
+        survival = (torch.rand(bsz, GAMMA, generator=gen, dtype=torch.float64) ** 0.3).cumprod(-1)
+        xs = torch.arange(1, bsz * (GAMMA + 1) + 1, dtype=torch.float64)
+        knee = float(torch.randint(1, bsz * (GAMMA + 1), (1,), generator=gen))
+        table = ProfileTable(xs, 0.01 * torch.maximum(torch.ones_like(xs), xs / knee))  # flat, then ∝ n
+        policy = AdaptiveDraftLength(table, calibrate=False, overhead=0.002, draft_seconds=0.003)
+
+        def rate(g: int, bsz=bsz, survival=survival, table=table) -> float:
+            seconds = float(table(float(bsz * (g + 1)))) + 0.002 + (0.003 if g else 0.0)
+            return (bsz + float(survival[:, :g].sum())) / seconds
+
+        best = max(rate(g) for g in range(GAMMA + 1))
+        assert rate(policy.cap(survival, GAMMA)) >= best * (1 - 1e-12)
+
+
+def test_light_load_drafts_fully_heavy_load_plainly():
+    """A free verify pass: the full cap for a confident and an unsure request alike; a pass
+    whose time is proportional to its width: plain rounds (no drafted token is worth its slot)."""
+    survival = torch.tensor([[0.99, 0.97, 0.95, 0.9], [0.6, 0.3, 0.1, 0.05]], dtype=torch.float64)
+    flat = ProfileTable([1, 1000], [0.02, 0.02])
+    assert AdaptiveDraftLength(flat, calibrate=False).cap(survival, 4) == 4
+    busy = ProfileTable([1, 1000], [0.001, 1.0])  # compute-bound: every extra token costs
+    assert AdaptiveDraftLength(busy, calibrate=False).cap(survival, 4) == 0

@@ -1,7 +1,5 @@
-"""Cost model: the survey's worked examples, the tree-size figure, Gumbel agreement, and the
-DSpark scheduler against brute force and against every fixed draft length."""
-
-import itertools
+"""Cost model: the survey's worked examples, the tree-size figure and Gumbel agreement (the
+draft-length scheduler is the engine's, tested in ``tests/components/engine/test_schedule.py``)."""
 
 import pytest
 import torch
@@ -16,8 +14,6 @@ from components.spec.cost import (
     drafter_kv_cache_bytes,
     gumbel_match_probability,
     roofline_forward_time,
-    schedule_draft_lengths,
-    schedule_objective,
     speedup,
     tree_acceptance_length,
 )
@@ -113,53 +109,3 @@ def test_gumbel_match_probability_formula_and_bounds():
         empirical = (gumbel_argmax(p.log(), noise) == gumbel_argmax(q.log(), noise)).double().mean()
         assert abs(float(empirical) - match) < 0.015
     assert abs(float(gumbel_match_probability(p, p)) - 1.0) < 1e-9
-
-
-# ---------------- DSpark scheduler ----------------------------------------------------------
-
-
-def _random_case(gen, bsz, gamma):
-    conf = torch.rand(bsz, gamma, generator=gen) ** 0.3  # per-step confidences π
-    survival = conf.cumprod(-1)
-    xs = torch.arange(1, bsz * (gamma + 1) + 1, dtype=torch.float64)
-    knee = float(torch.randint(1, bsz * (gamma + 1), (1,), generator=gen))
-    noise = 1 + 0.05 * torch.rand(xs.shape, generator=gen, dtype=torch.float64)
-    sps = 100.0 / torch.maximum(torch.ones_like(xs), xs / knee) * noise  # flat, then 1/n
-    return survival, ProfileTable(xs, sps)
-
-
-def test_scheduler_matches_brute_force_over_all_assignments():
-    gen = torch.Generator().manual_seed(2)
-    for _ in range(15):
-        bsz, gamma = 3, 3
-        survival, sps = _random_case(gen, bsz, gamma)
-        sched = schedule_draft_lengths(survival, sps)
-        brute = max(schedule_objective(survival, torch.tensor(lens), sps)
-                    for lens in itertools.product(range(gamma + 1), repeat=bsz))
-        assert abs(sched.objective - brute) < 1e-9 * brute
-        assert abs(schedule_objective(survival, sched.draft_lens, sps) - sched.objective) < 1e-6
-
-
-def test_scheduler_never_worse_than_any_fixed_draft_length():
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(40):
-        bsz, gamma = int(torch.randint(1, 12, (1,), generator=gen)), 7
-        survival, sps = _random_case(gen, bsz, gamma)
-        sched = schedule_draft_lengths(survival, sps)
-        for g in range(gamma + 1):
-            fixed = schedule_objective(survival, torch.full((bsz,), g), sps)
-            assert sched.objective >= fixed - 1e-9 * abs(fixed)
-        early = schedule_draft_lengths(survival, sps, stop_at_first_drop=True)
-        assert early.objective <= sched.objective + 1e-9
-
-
-def test_scheduler_light_and_heavy_load():
-    survival = torch.tensor([[0.99, 0.97, 0.95, 0.9], [0.6, 0.3, 0.1, 0.05]])
-    flat = ProfileTable([1, 1000], [50.0, 50.0])
-    assert schedule_draft_lengths(survival, flat).draft_lens.tolist() == [4, 4]
-    xs = torch.arange(1, 1001, dtype=torch.float64)
-    busy = ProfileTable(xs, 100.0 / xs.sqrt())  # compute-bound: every extra token costs
-    lens = schedule_draft_lengths(survival, busy).draft_lens.tolist()
-    assert lens[0] == 4 and lens[1] <= 1  # only the confident prefixes get budget
-    capped = schedule_draft_lengths(survival, flat, max_total_tokens=5)
-    assert int((capped.draft_lens + 1).sum()) <= 5 and capped.draft_lens.tolist() == [3, 0]

@@ -9,10 +9,10 @@ from transformers.cache_utils import DynamicLayer
 
 from components.engine import SpeculativeEngine, target_only_generate
 from components.engine.batch import BatchEngine
-from components.engine.batch_cache import RaggedCache
-from components.engine.kv_slab import MIN_HEADROOM, SlabLayer, preallocate
+from components.engine.cache.ragged import RaggedCache
+from components.engine.cache.slab import MIN_HEADROOM, SlabLayer, preallocate
 from components.engine.tree import TreeEngine
-from tests.components.engine.test_batch_engine import batch_prompts, requests
+from tests.components.engine.batch.test_engine import batch_prompts, requests
 from tests.components.engine.test_engine_greedy import random_drafter
 
 

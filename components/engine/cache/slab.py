@@ -2,21 +2,19 @@
 to grow, so a decode round writes its new slots in place instead of copying the whole cache.
 
 HF's ``DynamicLayer`` appends with ``torch.cat``: every round copies every layer's keys and
-values, [B, h_kv, L, d] each, to add a few slots. With the embedded target on a 2-core CPU
-that is 1-2 ms of a 35-90 ms round at 16 rows × ~100 slots (more at longer contexts); for a
-target of Qwen3-8B's shape in bf16 at 32 rows × 2k slots it would be ~10 GB per round.
-``SlabLayer`` keeps a buffer [rows, h_kv, capacity, d] and exposes
-``keys = buffer[:B, :, off:off + L]``::
+values, [B, h_kv, L, d] each, to add a few slots, a copy that grows with rows × context (for a
+target of Qwen3-8B's shape in bf16 at 32 rows × 2k slots, ~10 GB per round). ``SlabLayer``
+keeps a buffer [rows, h_kv, capacity, d] and exposes ``keys = buffer[:B, :, off:off + L]``::
 
     buffer   | dropped | keys/values (L slots) | free (headroom) |
                off ----^                 off+L ^        capacity ^
 
 ``update`` (the model's append) writes the new slots at off+L.. and widens the view; a crop
-or a slice of the view (``DynamicLayer.crop``, the ragged cache's ``trim``) only narrows it.
+or a slice of the view (``DynamicLayer.crop``, ``ragged.RaggedCache.trim``) only narrows it.
 Rows leave (``keep_rows``: only the rows that move are copied) and join (``add_rows``: written
 into free rows, right-aligned, the view widened into the left margin if they are longer)
 inside the buffer. Anything else that sets ``keys``/``values`` to a tensor that is not such a
-view (the ragged cache's ``compact``) is taken over at the next update: one copy into a fresh
+view (``RaggedCache.compact``) is taken over at the next update: one copy into a fresh
 buffer, which is what ``torch.cat`` would have cost that round anyway. A fresh buffer has
 ``max(64, L/4)`` slots of headroom, so it is reallocated about once per 64 decode rounds, and
 is zeroed, so that slots a widened view takes in are finite (masked, but never NaN).

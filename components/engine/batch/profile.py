@@ -1,8 +1,8 @@
 """Profiled round times of the batch engine: the seconds of one whole round, drafting, the
 verify pass, acceptance and cache bookkeeping included, per batch size B and draft cap G.
 
-The adaptive draft-length policy (``schedule.AdaptiveDraftLength``) needs the price of every
-(B, G) it may pick before it has played it. A curve of the target's forward time alone,
+The adaptive draft-length policy (``engine.schedule.AdaptiveDraftLength``) needs the price of
+every (B, G) it may pick before it has played it. A curve of the target's forward time alone,
 ``T(B·(G+1))``, misses what grows with G besides the forward: the drafter's own pass, the
 per-row verification, the drafter consuming the verified states, the holes and compactions of
 the ragged cache. On a compute-bound host (a CPU, a small model) these decide whether a cap
@@ -13,11 +13,11 @@ drafting at a loss. So, as an inference server profiles its model before it take
 the caps interleaved, keeping the median, made non-increasing towards smaller caps.
 
 Acceptance does not enter the table (the policy gets it from confidences and what it sees),
-but the rounds' holes and compactions depend on it: on random prompts the embedded target soon
-loops and a trained drafter follows (measured: ~4 of 7 drafts accepted at cap 7), near real
-traffic there; for a target that does not loop, the rounds are priced as rounds that draft in
-vain. ``stored_round_times`` keeps a profile in a JSON file and reuses it for the same target,
-drafter, engine settings and host threads. Knows the batch engine's public API only.
+but the rounds' holes and compactions depend on it: on random prompts a small target soon
+loops and a trained drafter follows, near real traffic there; for a target that does not loop,
+the rounds are priced as rounds that draft in vain. ``stored_round_times`` keeps a profile in
+a JSON file and reuses it for the same target, drafter, engine settings and host threads.
+Knows the batch engine's public API only.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from components.engine.batch import BatchEngine, Request
+from components.engine.batch.engine import BatchEngine
+from components.engine.batch.state import Request
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 _PROFILER_ARGS = ("context", "rounds", "seed")  # profile_round_times' own, not the engine's
@@ -149,7 +150,7 @@ def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], engine_kw
     """What a stored profile was measured for: target, drafter (class and size), batch sizes,
     engine settings (as given, and the KV cache kind), device, dtype and threads. A profile is
     only reused for an equal key."""
-    params = sum(p.numel() for p in drafter.parameters()) if hasattr(drafter, "parameters") else 0
+    params = sum(p.numel() for p in drafter.parameters()) if isinstance(drafter, nn.Module) else 0  # model-free: 0
     engine = BatchEngine(target, drafter, **{k: v for k, v in engine_kwargs.items() if k not in _PROFILER_ARGS})
     return {"target": str(getattr(target, "name_or_path", type(target).__name__)),
             "drafter": f"{type(drafter).__name__}:{params}:{engine.max_drafts}",

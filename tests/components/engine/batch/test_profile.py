@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from components.engine.batch import BatchEngine
-from components.engine.profile import RoundTimes, profile_round_times, stored_round_times
+from components.engine.batch.profile import RoundTimes, profile_round_times, stored_round_times
 from components.engine.schedule import AdaptiveDraftLength
 from tests.components.engine.test_engine_greedy import random_drafter
 from tests.components.engine.test_schedule import GAMMA, run_rounds

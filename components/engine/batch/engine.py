@@ -5,10 +5,10 @@ One ``step()`` is one round for the whole running batch::
 
     admit    -- waiting requests (up to ``max_batch_size``) are prefilled together, in one
                 right-padded target pass, and their rows appended to the batch's ragged cache;
-                each prefill's first token is emitted at once (``batch_admit.py``);
+                each prefill's first token is emitted at once (``admit.Admission``);
     draft    -- per running request, the drafter proposes γ_b tokens on that request's own
                 drafter state (DLoop stages and carryover as in ``SpeculativeEngine.draft``);
-                γ_b = 0 for plain-decoding requests;
+                γ_b = 0 for plain-decoding requests (``draft.Drafting``);
     verify   -- ONE target forward over [B, G+1] (row b: x_{n_b-1}, its γ_b drafts, padding),
                 each row at its own positions over its own valid cache slots (``RaggedCache``);
                 then each request's rule decides its accepted prefix and next token;
@@ -22,14 +22,11 @@ Per-request randomness (a generator and a Gumbel seed per request) is consumed i
 order as ``SpeculativeEngine.generate`` would for that request alone, so a request's output
 does not depend on what else is in the batch (greedy: equal to the target's own greedy output).
 
-Each request keeps a batch-1 drafter state. Drafters' ``propose_many`` (block drafters and
-Medusa: one pass; EAGLE-3 and MTP: one pass per draft step) serves all single-stage rows
-together, greedy or sampled, and ``consume_many`` updates them in one call
-(``batch_draft.py``); DLoop rows propose one by one (a loop over requests, not tokens). The
-verify pass and the target cache are batched. Chains, and a token tree for a lone request
-(``batch_tree.py``).
+Each request keeps a batch-1 drafter state; drafters declaring the batched capabilities propose
+and consume for all rows in one call (``draft.py``). The verify pass and the target cache are
+batched. Chains, and a token tree for a lone request (``tree_round.py``).
 This module knows the engine protocol of drafters and the rules; nothing about tokenization,
-HTTP or asyncio (``async_engine.py`` streams on top of ``step``).
+HTTP or asyncio (``stream.py`` streams on top of ``step``).
 """
 
 from __future__ import annotations
@@ -42,26 +39,24 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from components.engine.batch_admit import AdmitStep
-from components.engine.batch_draft import DraftStep
-from components.engine.batch_state import Request, StepOutput, _Batch, _check_end, _Running
-from components.engine.batch_tree import TreeStep
+from components.engine.batch.admit import Admission
+from components.engine.batch.draft import Drafting
+from components.engine.batch.state import Batch, Request, Row, StepOutput
+from components.engine.batch.stats import EngineStats
+from components.engine.batch.tree_round import TreeRounds
 from components.engine.engine import (
     EngineDrafter,
     GenerationResult,
-    Sequence,
+    SequenceState,
     SpeculativeEngine,
     sync_device,
 )
 from components.engine.rules import RULES, Rule
 from components.engine.schedule import DraftLengthPolicy, FixedDraftLength
-from components.engine.stats import EngineStats
 
 
-class BatchEngine(AdmitStep, DraftStep, TreeStep):
+class BatchEngine:
     """Continuous-batching speculative decoding of ``drafter`` (or plain decoding) on ``target``."""
-
-    defer_plain_updates = True  # plain rounds of speculating rows defer the drafter's update (_consume)
 
     def __init__(self, target: Any, drafter: EngineDrafter | None = None, num_drafts: int | None = None,
                  loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
@@ -72,30 +67,32 @@ class BatchEngine(AdmitStep, DraftStep, TreeStep):
         ragged cache's width that compaction would free, above which it is compacted after a
         round. ``draft_length``: the per-round cap on drafts (default fixed γ;
         ``AdaptiveDraftLength`` shrinks it under load). ``preallocate``: the batch's KV cache grows
-        in place in a buffer with headroom (``kv_slab``) instead of by ``torch.cat`` each round.
+        in place in a buffer with headroom (``cache.slab``) instead of by ``torch.cat`` each round.
         ``tree_budget`` > 0: a lone greedy or Gumbel request drafts a token tree of that many
-        nodes (``tree_builder``: ddtree or causal) instead of a chain (``batch_tree.py``)."""
+        nodes (``tree_builder``: ddtree or causal) instead of a chain (``tree_round.py``)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.target, self.drafter = target, drafter
         self.max_batch_size, self.compact_at = int(max_batch_size), float(compact_at)
         self.preallocate = bool(preallocate)
         self.layer_ids: list[int] = list(drafter.layer_ids) if drafter is not None else []
-        self._engines: dict[str, SpeculativeEngine] = {}
+        engines: dict[str, SpeculativeEngine] = {}
         if drafter is not None:  # one per rule: draft() picks tokens the rule's way
-            self._engines = {name: SpeculativeEngine(target, drafter, name, num_drafts, loop_stages, loop_gate,
-                                                     carryover, preallocate) for name in RULES}
-        any_engine = next(iter(self._engines.values()), None)
+            engines = {name: SpeculativeEngine(target, drafter, name, num_drafts, loop_stages, loop_gate,
+                                               carryover, preallocate) for name in RULES}
+        any_engine = next(iter(engines.values()), None)
         self.gamma = any_engine.gamma if any_engine else 0
         self.max_drafts = self.gamma * (any_engine.loop_stages if any_engine else 1)
         self.carryover = bool(carryover)
         self.draft_length = draft_length or FixedDraftLength()
-        self.caps: list[int] = []  # the cap chosen each round (speculating rows only)
         self.waiting: deque[Request] = deque()
-        self.batch = _Batch()
-        self._cancelled: set[str] = set()
+        self.batch = Batch()
         self.stats = EngineStats()
-        self._init_trees(int(tree_budget), tree_builder, loop_stages, carryover)
+        self._cancelled: set[str] = set()
+        self.admission = Admission(target, drafter, self.layer_ids, self.preallocate)
+        self.drafting = Drafting(drafter, engines, self.draft_length, self.max_drafts)
+        self.trees = TreeRounds(target, drafter, self.gamma, int(tree_budget), tree_builder, loop_stages,
+                                carryover, self.preallocate)
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> str:
@@ -115,23 +112,32 @@ class BatchEngine(AdmitStep, DraftStep, TreeStep):
     def running(self) -> list[str]:
         return [r.request.request_id for r in self.batch.rows]
 
+    @property
+    def caps(self) -> list[int]:
+        """The draft cap chosen each round (rounds with speculating rows)."""
+        return self.drafting.caps
+
     # ------------------------------------------------------------------ one round
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """One round for every running request (after admitting waiting ones)."""
         start = time.perf_counter()
         outputs = self._drop_cancelled()
-        outputs += self._admit()
+        free = self.max_batch_size - len(self.batch.rows)
+        outputs += self.admission.admit(self.batch, [self.waiting.popleft()
+                                                     for _ in range(min(free, len(self.waiting)))])
         if not self.batch.rows:
             self._record(outputs, 0, [], [], 0.0, 0.0, start)
             return outputs
         clock, rows = time.perf_counter(), len(self.batch.rows)
-        lone = self._tree_row()
+        lone = self.trees.lone_row(self.batch)
         if lone is not None:
-            outs, accepted, nodes, draft_seconds, verify_seconds = self._tree_round(lone)
+            if lone.pending:  # the tree round's drafter reads every committed token
+                self.drafting.flush([lone])
+            outs, accepted, nodes, draft_seconds, verify_seconds = self.trees.round(self.batch, lone)
             self._record(outputs + outs, 1, [accepted], [nodes], draft_seconds, verify_seconds, start)
             return outputs + outs
-        draft_seconds = self._draft()
+        draft_seconds = self.drafting.draft(self.batch.rows, draining=not self.waiting)
         logits, hidden, forward_seconds = self._verify_forward()
         drafting = [r for r in self.batch.rows if r.drafts is not None]
         outputs += self._accept(logits, hidden, forward_seconds)
@@ -168,9 +174,9 @@ class BatchEngine(AdmitStep, DraftStep, TreeStep):
         self.waiting = deque(r for r in self.waiting if r.request_id not in self._cancelled)
         gone = [i for i, r in enumerate(self.batch.rows) if r.request.request_id in self._cancelled]
         for i in gone:
-            run = self.batch.rows[i]
-            outs.append(StepOutput(run.request.request_id, [], True, "cancelled", self._finish(run, "cancelled")))
-        self._remove(gone)
+            row = self.batch.rows[i]
+            outs.append(StepOutput(row.request.request_id, [], True, "cancelled", row.finish("cancelled")))
+        self.batch.remove(gone)
         self._cancelled.clear()
         return outs
 
@@ -178,12 +184,12 @@ class BatchEngine(AdmitStep, DraftStep, TreeStep):
         """One target forward over every row's [x_{n-1}, drafts, padding] → logits [B, G+1, V],
         hidden [B, G+1, n, H] (or None), seconds."""
         rows, dev = self.batch.rows, self.target.device
-        width = 1 + max(_num_drafts(r) for r in rows)
+        width = 1 + max(r.num_drafts for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
-        for b, run in enumerate(rows):
-            ids[b, 0] = run.seq.last_token[0]
-            if run.drafts is not None:
-                ids[b, 1:1 + run.drafts.shape[1]] = run.drafts[0]
+        for b, row in enumerate(rows):
+            ids[b, 0] = row.seq.last_token[0]
+            if row.drafts is not None:
+                ids[b, 1:1 + row.drafts.shape[1]] = row.drafts[0]
         starts = torch.tensor([r.seq.length - 1 for r in rows], dtype=torch.long, device=dev)
         positions = starts[:, None] + torch.arange(width, device=dev)[None, :]  # [B, G+1]
         cache = self.batch.cache
@@ -194,27 +200,25 @@ class BatchEngine(AdmitStep, DraftStep, TreeStep):
         return out.logits, out.hidden, time.perf_counter() - t0
 
     def _accept(self, logits: Tensor, hidden: Tensor | None, forward_seconds: float) -> list[StepOutput]:
+        """logits [B, G+1, V], hidden [B, G+1, n, H] → every row's output this round; commits the
+        accepted slots, feeds the drafter, frees finished rows, compacts when it pays."""
         rows, outs, finished = self.batch.rows, [], []
         t0 = time.perf_counter()
         verdicts = self._verdicts(logits)
         keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
         for b, (a, _) in enumerate(verdicts):
             keep[b, :a + 1] = True
-        states = self._consume(rows, [a for a, _ in verdicts], hidden)
+        states = self.drafting.consume_verified(rows, [a for a, _ in verdicts], hidden)
         shared = (time.perf_counter() - t0) / len(rows)
-        for b, (run, (a, nxt)) in enumerate(zip(rows, verdicts)):
-            emitted = self._commit_row(run, a, nxt, states[b], hidden[b:b + 1] if hidden is not None else None)
-            run.result.verify_seconds += forward_seconds + shared
-            before = len(run.seq.new_tokens) - len(emitted)
-            cut, reason = _check_end(run.request, run.seq.new_tokens, before)
-            if reason:
-                run.seq.new_tokens, emitted = cut, cut[before:]
-                outs.append(StepOutput(run.request.request_id, emitted, True, reason, self._finish(run, reason)))
+        for b, (row, (a, nxt)) in enumerate(zip(rows, verdicts)):
+            emitted = self._commit_row(row, a, nxt, states[b], hidden[b:b + 1] if hidden is not None else None)
+            row.result.verify_seconds += forward_seconds + shared
+            out = row.output(emitted, len(row.seq.new_tokens) - len(emitted))
+            outs.append(out)
+            if out.finished:
                 finished.append(b)
-            else:
-                outs.append(StepOutput(run.request.request_id, emitted))
         self.batch.cache.commit(keep)
-        self._remove(finished)
+        self.batch.remove(finished)
         if self.batch.cache is not None and self.batch.cache.reclaimable() > self.compact_at:
             self.batch.cache.compact()
         return outs
@@ -226,105 +230,50 @@ class BatchEngine(AdmitStep, DraftStep, TreeStep):
         rows, dev = self.batch.rows, logits.device
         verdicts: list[tuple[int, Tensor] | None] = [None] * len(rows)
         groups: dict[Rule, list[int]] = {}
-        for b, run in enumerate(rows):
-            if run.rule.verifies_rows:
-                groups.setdefault(run.rule, []).append(b)
+        for b, row in enumerate(rows):
+            if row.rule.verifies_rows:
+                groups.setdefault(row.rule, []).append(b)
             else:
-                verdicts[b] = self._verify_row(run, logits[b:b + 1])
+                verdicts[b] = self._verify_row(row, logits[b:b + 1])
         empty = torch.zeros(0, dtype=torch.long, device=dev)
         for rule, idx in groups.items():
             mine = logits if len(idx) == len(rows) else logits[torch.tensor(idx, device=dev)]
             drafts = torch.nn.utils.rnn.pad_sequence(  # [R, G'] (padding never read past a row's length)
                 [rows[b].drafts[0] if rows[b].drafts is not None else empty for b in idx], batch_first=True)
-            lens = torch.tensor([_num_drafts(rows[b]) for b in idx], dtype=torch.long, device=dev)
+            lens = torch.tensor([rows[b].num_drafts for b in idx], dtype=torch.long, device=dev)
             res = rule.verify_rows(drafts, lens, mine[:, :drafts.shape[1] + 1])
             for j, (b, a) in enumerate(zip(idx, res.num_accepted.tolist())):
                 verdicts[b] = (a, res.next_token[j:j + 1])
         return verdicts  # type: ignore[return-value]
 
-    def _verify_row(self, run: _Running, logits: Tensor) -> tuple[int, Tensor]:
+    def _verify_row(self, row: Row, logits: Tensor) -> tuple[int, Tensor]:
         """Row logits [1, G+1, V] → (accepted drafts, next token [1])."""
-        dev, start = logits.device, run.seq.length
-        if run.drafts is None:  # plain decoding: the target's own choice at position n
-            token = run.rule.sample_target(logits[:, :1], torch.tensor([[start]], device=dev), run.rnd)
+        dev, start = logits.device, row.seq.length
+        if row.drafts is None:  # plain decoding: the target's own choice at position n
+            token = row.rule.sample_target(logits[:, :1], torch.tensor([[start]], device=dev), row.rnd)
             return 0, token[:, 0]
-        g = run.drafts.shape[1]
+        g = row.drafts.shape[1]
         positions = torch.arange(start, start + g + 1, device=dev)[None, :]
-        res = run.rule.verify(run.drafts, logits[:, :g + 1], run.proposal, positions, run.rnd)
+        res = row.rule.verify(row.drafts, logits[:, :g + 1], row.proposal, positions, row.rnd)
         return int(res.num_accepted[0]), res.next_token
 
-    def _consume(self, rows: list[_Running], accepted: list[int], hidden: Tensor | None) -> list[Any]:
-        """Every drafting row's state after consuming x_{n-1} + its accepted drafts (their
-        verify-pass hidden states); one ``consume_many`` call when the drafter batches it. A
-        speculating row's plain round only records its token and states (``pending``): the
-        drafter consumes them when the row drafts again (``_flush``), so cap-0 rounds cost what
-        plain decoding costs."""
-        states: list[Any] = [r.seq.draft_state for r in rows]
-        idx = []
-        for b, r in enumerate(rows):
-            if r.seq.draft_state is None:
-                continue
-            if r.drafts is None and hidden is not None and self.defer_plain_updates:
-                r.pending.append((r.seq.last_token[:, None], hidden[b:b + 1, :1]))
-            else:
-                idx.append(b)
-        if not idx:
-            return states
-        tokens = [rows[b].seq.last_token[:, None] if rows[b].drafts is None else
-                  torch.cat([rows[b].seq.last_token[:, None], rows[b].drafts[:, :accepted[b]]], dim=1)
-                  for b in idx]  # each [1, a_b+1]
-        kept = [hidden[b:b + 1, :accepted[b] + 1] if hidden is not None else None for b in idx]
-        olds = [rows[b].seq.draft_state for b in idx]
-        news = self._consume_each(olds, tokens, kept)
-        for b, new in zip(idx, news):
-            states[b] = new
-        return states
-
-    def _consume_each(self, states: list[Any], tokens: list[Tensor], hidden: list[Tensor | None]) -> list[Any]:
-        """``consume`` per row, or one ``consume_many`` call when the drafter has it (and states)."""
-        many = getattr(self.drafter, "consume_many", None)
-        if many is not None and all(h is not None for h in hidden):
-            return many(states, tokens, hidden)
-        return [self.drafter.consume(s, t, h) for s, t, h in zip(states, tokens, hidden)]
-
-    def _commit_row(self, run: _Running, a: int, nxt: Tensor, state: Any, hidden: Tensor | None) -> list[int]:
-        """Commits x_{n-1} + a accepted drafts of ``run`` (``state``: its drafter state after
-        consuming them); attaches carryover rows; returns the tokens emitted."""
-        seq, res = run.seq, run.result
-        drafted = [] if run.drafts is None else run.drafts[0, :a].tolist()
-        rows = 0
-        if state is not None and self.carryover and hidden is not None and run.drafts is not None:
-            rejected = hidden[:, a + 1:1 + run.drafts.shape[1]][:, :self.gamma]
-            rows = rejected.shape[1]
-            if rows:
+    def _commit_row(self, row: Row, a: int, nxt: Tensor, state: Any, hidden: Tensor | None) -> list[int]:
+        """Commits x_{n-1} + a accepted drafts of ``row`` (``state``: its drafter state after
+        consuming them; hidden [1, G+1, n, H]); attaches carryover rows; returns the tokens emitted."""
+        seq, res = row.seq, row.result
+        drafted = [] if row.drafts is None else row.drafts[0, :a].tolist()
+        carried = 0
+        if state is not None and self.carryover and hidden is not None and row.drafts is not None:
+            rejected = hidden[:, a + 1:1 + row.drafts.shape[1]][:, :self.gamma]  # [1, carried, n, H]
+            carried = rejected.shape[1]
+            if carried:
                 state = self.drafter.with_carry(state, rejected, seq.length + a)
         emitted = drafted + [int(nxt[0])]
-        run.seq = Sequence(None, state, nxt, seq.length + a + 1, seq.new_tokens + emitted, rows)
+        row.seq = SequenceState(None, state, nxt, seq.length + a + 1, seq.new_tokens + emitted, carried)
         res.rounds += 1
         res.target_forwards += 1
-        if run.drafts is not None:
+        if row.drafts is not None:
             res.accepted.append(a)
-            res.drafted.append(run.drafts.shape[1])
-            res.carried.append(run.carried)
+            res.drafted.append(row.drafts.shape[1])
+            res.carried.append(row.carried)
         return emitted
-
-    def _remove(self, rows: list[int]) -> None:
-        if not rows:
-            return
-        keep = [i for i in range(len(self.batch.rows)) if i not in set(rows)]
-        self.batch.rows = [self.batch.rows[i] for i in keep]
-        if not keep:
-            self.batch.cache = None
-        elif self.batch.cache is not None:
-            self.batch.cache.select(keep)
-
-    def _finish(self, run: _Running, reason: str) -> GenerationResult:
-        res = run.result
-        res.tokens = list(run.seq.new_tokens)
-        res.finish_reason = reason
-        res.total_seconds = time.perf_counter() - run.started
-        return res
-
-
-def _num_drafts(run: _Running) -> int:
-    return 0 if run.drafts is None else run.drafts.shape[1]

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from components.engine.async_engine import AsyncEngine, EngineError
 from components.engine.batch import BatchEngine, Request
-from tests.components.engine.test_batch_engine import requests
+from components.engine.batch.stream import AsyncEngine, EngineError
+from tests.components.engine.batch.test_engine import requests
 from tests.components.engine.test_engine_greedy import random_drafter
 
 

@@ -16,7 +16,7 @@ Compaction narrows the cache only to the longest row's count of valid slots, so 
 holes are mostly left padding gains nothing from it (``reclaimable``).
 
 Requests join (``concat``, after their prefill) and leave (``select``) between
-rounds; leaving frees the row. The layers may be ``kv_slab.SlabLayer``s (the engines'
+rounds; leaving frees the row. The layers may be ``slab.SlabLayer``s (the engines'
 default): a forward then appends in place, ``trim`` only narrows their views, and rows leave
 and join inside their buffers. This module knows HF's ``DynamicCache`` layer tensors
 (``layers[i].keys/values``, [B, h_kv, L, d]) and nothing about drafters, rules or requests.
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from components.engine.kv_slab import SlabLayer
+from components.engine.cache.slab import SlabLayer
 
 
 def _layers(cache: Any) -> list[Any]:

@@ -1,0 +1,75 @@
+"""The batch engine's token-tree round: when a single request is running, a tree of drafts
+instead of a chain (``BatchEngine(tree_budget=N)``).
+
+A verify pass over one row is memory-bound: N + 1 tokens cost little more than γ + 1 on an
+accelerator, and a tree of N nodes keeps the best alternatives at every depth where a chain
+keeps one. So when the batch has shrunk to one row (a quiet server, the last request of a
+batch) and that row's rule verifies trees path-independently (greedy, or Gumbel coupling: the
+output is the target's own whatever was drafted), the round is ``TreeEngine.round`` on that
+row: the ragged cache is compacted to the row's committed slots (so the tree's 4-D mask can sit
+right after them), and the round's cache becomes the batch's again. With two or more rows,
+rounds are chains as before.
+
+Sampled rows (``speculative``, ``block``) keep chains, so their output stays what the batch-1
+chain engine would draw for the same seed. Not with DLoop stages or carryover (refused at
+construction, as ``TreeEngine`` refuses them). Knows the tree engine, the batch's records and
+the ragged cache; nothing about drafter families or the drafter's deferred updates (the batch
+engine flushes them before a tree round).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from components.engine.batch.state import Batch, Row, StepOutput
+from components.engine.cache.ragged import RaggedCache
+from components.engine.engine import SequenceState
+from components.engine.tree import TreeEngine
+
+TREE_BATCH_RULES = ("greedy", "gumbel")  # rules whose output does not depend on the drafts
+
+
+class TreeRounds:
+    """Tree rounds of a lone row, one ``TreeEngine`` per rule in ``TREE_BATCH_RULES``."""
+
+    def __init__(self, target: Any, drafter: Any, gamma: int, budget: int, builder: str = "ddtree",
+                 loop_stages: int = 1, carryover: bool = False, preallocate: bool = True):
+        """``budget`` nodes per round; ``budget`` 0: never (every round is a chain)."""
+        self.engines: dict[str, TreeEngine] = {}
+        if budget <= 0:
+            return
+        if drafter is None:
+            raise ValueError("tree_budget: token trees need a drafter")
+        if loop_stages > 1 or carryover:
+            raise ValueError("tree_budget: token trees are not combined with DLoop stages or carryover")
+        self.engines = {rule: TreeEngine(target, drafter, rule, gamma, budget=budget, builder=builder,
+                                         preallocate=preallocate) for rule in TREE_BATCH_RULES}
+
+    def lone_row(self, batch: Batch) -> Row | None:
+        """The running row, if it is alone, speculates and its rule verifies trees."""
+        if not self.engines or len(batch.rows) != 1:
+            return None
+        row = batch.rows[0]
+        return row if row.speculates and row.request.rule in self.engines else None
+
+    def round(self, batch: Batch, row: Row) -> tuple[list[StepOutput], int, int, float, float]:
+        """One tree round of ``batch``'s lone ``row`` (no deferred drafter updates left) →
+        (outputs, accepted, nodes, draft s, verify s)."""
+        if row.pending:
+            raise RuntimeError("tree round: the row's deferred drafter updates were not consumed")
+        cache = batch.cache
+        if cache.holes() > 0:
+            cache.compact()
+        if cache.length != row.seq.length - 1:
+            raise RuntimeError(f"tree round: cache holds {cache.length} slots, the row {row.seq.length - 1}")
+        res, before = row.result, len(row.seq.new_tokens)
+        draft0, verify0 = res.draft_seconds, res.verify_seconds
+        seq = SequenceState(cache.cache, row.seq.draft_state, row.seq.last_token, row.seq.length, row.seq.new_tokens)
+        seq = self.engines[row.request.rule].round(seq, row.remaining, row.rnd, res)
+        batch.cache = RaggedCache.single(seq.cache)
+        row.seq = SequenceState(None, seq.draft_state, seq.last_token, seq.length, seq.new_tokens)
+        row.proposal = row.survival = row.raw_survival = row.drafts = None
+        out = row.output(row.seq.new_tokens[before:], before)
+        if out.finished:
+            batch.remove([0])
+        return [out], res.accepted[-1], res.drafted[-1], res.draft_seconds - draft0, res.verify_seconds - verify0

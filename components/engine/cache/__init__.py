@@ -1,0 +1,15 @@
+"""The target's KV caches as the engines keep them: one request's, and a batch's of many.
+
+* ``slab``   -- ``SlabLayer``/``preallocate``: HF cache layers whose keys/values are views into a
+  preallocated buffer, so a round appends in place instead of by ``torch.cat``;
+* ``ragged`` -- ``RaggedCache``: one cache for a batch of sequences of different lengths, with a
+  mask of the slots that hold committed tokens (holes, left padding, ``compact``, rows that join
+  and leave); ``keep_slots``: a batch-1 token tree's accepted path kept in place.
+
+Knows HF's cache layer tensors; nothing about drafters, rules or requests.
+"""
+
+from components.engine.cache.ragged import RaggedCache, keep_slots
+from components.engine.cache.slab import MIN_HEADROOM, SlabLayer, preallocate
+
+__all__ = ["MIN_HEADROOM", "RaggedCache", "SlabLayer", "keep_slots", "preallocate"]

@@ -1,0 +1,115 @@
+"""Stand-ins built for the purpose, so that what a test asserts does not rest on what the
+fixture target's float-sensitive training happened to produce on this CPU.
+
+* ``MarkovTarget`` -- the fixture target's forward (KV cache, hidden states, positions: all real)
+  whose logits are replaced by a table indexed by the input token: two tokens A and B carry
+  almost all the mass, with known, unequal probabilities (``two_token_table``);
+* ``ScriptedDrafter`` -- drafts the known continuation of a request (right), or that plus one
+  (wrong), with fixed confidences, whatever the target's weights;
+* ``SecondGuessDrafter`` -- every slot's favourite is wrong and its runner-up right, so a chain
+  or a one-node tree accepts nothing and a full binary tree accepts its whole depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from components.drafters.base import Proposal
+from components.engine.model_free import TokenDrafter, TokenState, one_hot_proposal
+
+# P(next = A | previous token) among {A, B}; the rest of the vocabulary gets e^-12 each
+P_AFTER_A, P_AFTER_B, P_AFTER_OTHER = 0.75, 0.3, 0.7
+OTHER_LOGIT = -12.0
+
+
+def two_token_table(vocab_size: int, a: int, b: int) -> Tensor:  # → [V, V] float32
+    """Next-token logits per input token: after A, P(A) = 0.75 of {A, B}; after B, 0.3; after
+    any other token, 0.7. Top-2 sampling sees exactly these; temperature T divides the gaps."""
+    table = torch.full((vocab_size, vocab_size), OTHER_LOGIT)
+    table[:, a], table[:, b] = math.log(P_AFTER_OTHER), math.log(1 - P_AFTER_OTHER)
+    table[a, a], table[a, b] = math.log(P_AFTER_A), math.log(1 - P_AFTER_A)
+    table[b, a], table[b, b] = math.log(P_AFTER_B), math.log(1 - P_AFTER_B)
+    return table
+
+
+class MarkovTarget:
+    """``target`` with logits ``table[input_ids]`` [B, T, V]: a first-order Markov chain over
+    tokens whose distribution is known exactly; everything else is the real target's."""
+
+    def __init__(self, target: Any, table: Tensor):
+        self.target, self.table = target, table  # table [V, V]
+        self.model = _TableModel(self)  # what ``TargetDrafter`` calls
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.target, name)
+
+    def logits(self, input_ids: Tensor) -> Tensor:  # [B, T] → [B, T, V]
+        return self.table.to(input_ids.device)[input_ids]
+
+    def forward(self, input_ids: Tensor, **kwargs: Any) -> Any:
+        out = self.target.forward(input_ids, **kwargs)
+        return dataclasses.replace(out, logits=self.logits(input_ids).to(out.logits.dtype))
+
+    __call__ = forward
+
+
+class _TableModel:
+    def __init__(self, owner: MarkovTarget):
+        self.owner = owner
+
+    def __call__(self, input_ids: Tensor, **kwargs: Any) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.owner.logits(input_ids))
+
+
+def markov_target(target: Any, avoid: list[int]) -> tuple[MarkovTarget, int, int]:
+    """A ``MarkovTarget`` over ``target`` and its tokens A, B (neither of them in ``avoid``)."""
+    a, b = [t for t in range(target.vocab_size - 1, -1, -1) if t not in set(avoid)][:2]
+    return MarkovTarget(target, two_token_table(target.vocab_size, a, b)), a, b
+
+
+class ScriptedDrafter(TokenDrafter):
+    """Proposes the continuation of the reference (prompt + expected output) whose prefix the
+    context is: right, or each token plus one (``wrong``: the first draft is always rejected);
+    ``confidence``: the confidence head's P(draft k accepted | prefix accepted), every slot."""
+
+    def __init__(self, references: list[list[int]], vocab_size: int, num_drafts: int,
+                 confidence: float | None = None, wrong: bool = False):
+        super().__init__(vocab_size, num_drafts)
+        self.references = [list(r) for r in references]
+        self.confidence, self.wrong = confidence, wrong
+
+    def continuation(self, state: TokenState, last_token: Tensor, gamma: int) -> list[int]:
+        context = state.tokens + [int(last_token[0])]
+        ref = next((r for r in self.references if r[:len(context)] == context), [])
+        return (ref[len(context):len(context) + gamma] + [0] * gamma)[:gamma]
+
+    def propose(self, state: TokenState, last_token: Tensor, sampling: Any = None,
+                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
+        gamma = num_drafts or self.num_drafts
+        tokens = self.continuation(state, last_token, gamma)
+        if self.wrong:
+            tokens = [(t + 1) % self.vocab_size for t in tokens]
+        prop = one_hot_proposal(tokens, self.vocab_size, self.device)
+        if self.confidence is not None:
+            prop.confidences = torch.full((1, gamma), float(self.confidence), device=self.device)  # [1, γ]
+        return prop
+
+
+class SecondGuessDrafter(ScriptedDrafter):
+    """Per slot k, q = 0.6 on (right_k + 1), 0.4 on right_k, ~0 elsewhere (right: the reference)."""
+
+    def propose(self, state: TokenState, last_token: Tensor, sampling: Any = None,
+                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
+        gamma = num_drafts or self.num_drafts
+        right = torch.tensor([self.continuation(state, last_token, gamma)], device=self.device)  # [1, γ]
+        probs = torch.full((1, gamma, self.vocab_size), 1e-9, device=self.device)
+        probs.scatter_(2, ((right + 1) % self.vocab_size)[..., None], 0.6)
+        probs.scatter_(2, right[..., None], 0.4)
+        probs = probs / probs.sum(-1, keepdim=True)  # [1, γ, V]
+        return Proposal((right + 1) % self.vocab_size, probs.log(), probs, None)
