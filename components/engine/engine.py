@@ -26,11 +26,11 @@ Invariant between rounds, for committed tokens x_0..x_{n-1}: the target cache an
 state hold n-1 positions; x_{n-1} (the last emitted token) has not been through the target.
 So a generation of R rounds costs exactly R + 1 target forwards.
 
-Limitations (left for later):
+What this module leaves to others:
 * batch size 1 (``batch.BatchEngine`` batches these same steps over many requests, with stop
   tokens, cancellation and an adaptive draft cap);
-* chains only (no token trees); γ is fixed, shortened only so as not to overshoot
-  ``max_new_tokens``;
+* chains (``tree.TreeEngine`` drafts token trees); γ is fixed here, shortened only so as not to
+  overshoot ``max_new_tokens``;
 * carryover rows are read by the next round's first block only, at most γ of them (one block);
 * no stop tokens: generation runs for exactly ``max_new_tokens`` tokens.
 

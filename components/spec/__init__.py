@@ -5,7 +5,8 @@
 * ``gumbel``       -- position-keyed shared Gumbel noise (drafter-invariant sampling);
 * ``trees``        -- token trees: DDTree / DominoTree-style best-first builders, flattening, masks;
 * ``tree_verify``  -- tree rules: greedy, Gumbel, lossless sampling (recursive rejection);
-* ``cost``         -- acceptance length, speedup formulas, KV bytes, DSpark draft-length scheduler;
+* ``cost``         -- acceptance length, speedup formulas, KV bytes (the draft-length policy is
+  the engine's ``schedule``);
 * ``reference``    -- plain-Python loops that the fast paths are tested against.
 
 Knows nothing about models, KV caches, Ray or tokenizers: tensors of ids and distributions in,
