@@ -48,9 +48,9 @@ def _progress(tracker: Tracker):
 
 def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
     """Returns upstream plus ``data_mode`` and, in shards mode, ``data_dir``/``manifest``/counts."""
-    info = describe_target(cfg, upstream.get("target_path"))
-    meta = record_meta(cfg, info)
-    prompts, stats = collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)
+    desc = describe_target(cfg, upstream.get("target_path"))
+    meta = record_meta(cfg, desc)
+    prompts, stats = collect_prompts(cfg.data, desc.tokenizer, desc.corpus_dir)
     tracker.log_params({f"data.{k}": v for k, v in asdict(cfg.data).items()}
                        | {"data.layer_ids": list(meta.layer_ids), "data.last_layer": meta.last_layer})
     _log_prompts(tracker, asdict(stats))
@@ -61,7 +61,7 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
         return {**result, "stream": "components.data.stream.rollout_stream(cfg)"}
     init_ray(cfg.ray)
     out = output_dir(cfg)
-    manifest = build_shards(cfg, info, prompts, stats, out, progress=_progress(tracker))
+    manifest = build_shards(cfg, desc, prompts, stats, out, progress=_progress(tracker))
     totals, runinfo = manifest["totals"], manifest["run"]
     seconds = runinfo["seconds"]
     tracker.log_metrics({**totals, "seconds": seconds, "shards": len(manifest["shards"]),

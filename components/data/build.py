@@ -29,22 +29,22 @@ from components.data.shards import (
     plan_shards,
     write_manifest,
 )
-from components.data.source import TargetInfo, generation_params, record_meta
+from components.data.source import TargetDescription, generation_params, record_meta
 
 Progress = Callable[[dict[str, Any]], None]
 
 
-def build_shards(cfg: SpeclineConfig, info: TargetInfo, prompts: Sequence[Prompt], stats: PromptStats,
+def build_shards(cfg: SpeclineConfig, desc: TargetDescription, prompts: Sequence[Prompt], stats: PromptStats,
                  out_dir: Path, progress: Progress | None = None) -> dict[str, Any]:
     """Writes (or completes) the shards of ``prompts`` under ``out_dir``; returns the manifest."""
-    meta = record_meta(cfg, info)
+    meta = record_meta(cfg, desc)
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = plan_shards(prompts, cfg.data.shard_size)
     plan = plan_id(prompts, generation_params(cfg.data), cfg.data.shard_size, cfg.data.format)
     removed = clean_partial(out_dir)
     done = existing_shards(out_dir, specs, meta, plan, cfg.data.format)
     todo = [s for s in specs if s.index not in done]
-    run = _write_missing(cfg, info, meta, plan, todo, out_dir, progress) if todo else _empty_run()
+    run = _write_missing(cfg, desc, meta, plan, todo, out_dir, progress) if todo else _empty_run()
     shards = [*done.values(), *run["summaries"]]
     extra = {"prompts": asdict(stats), "generation": generation_params(cfg.data),
              "run": {"shards_reused": len(done), "shards_written": len(todo), "partial_removed": removed,
@@ -58,14 +58,14 @@ def _empty_run() -> dict[str, Any]:
     return {"summaries": [], "samples": [], "seconds": 0.0, "generate_s": 0.0, "capture_s": 0.0}
 
 
-def _write_missing(cfg: SpeclineConfig, info: TargetInfo, meta: RecordMeta, plan: str, todo: list,
+def _write_missing(cfg: SpeclineConfig, desc: TargetDescription, meta: RecordMeta, plan: str, todo: list,
                    out_dir: Path, progress: Progress | None) -> dict[str, Any]:
     import ray.data
 
     rows = shard_rows(todo)
     ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
         ShardWriter, batch_size=1, batch_format="numpy",
-        fn_constructor_kwargs={**config_kwargs(info.target_cfg, cfg.data, meta), "out_dir": str(out_dir),
+        fn_constructor_kwargs={**config_kwargs(desc.target_cfg, cfg.data, meta), "out_dir": str(out_dir),
                                "plan": plan, "samples_per_shard": 1},
         **actor_options(cfg.data))
     out, t0 = _empty_run(), time.perf_counter()

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +37,15 @@ class RecordMismatchError(ConfigError):
     """Records were written for another target, tokenizer, layer set or storage dtype."""
 
 
+class TargetIdentity(Protocol):
+    """What a record's meta takes from its target (``drafters.base.TargetInfo`` or a loaded target)."""
+
+    name_or_path: str
+    tokenizer_hash: str
+    num_layers: int
+    hidden_size: int
+
+
 @dataclass(frozen=True)
 class RecordMeta:
     target: str  # the target's name_or_path
@@ -45,6 +55,13 @@ class RecordMeta:
     hidden_size: int
     storage: str  # float32 | float16 | int8
     schema_version: int = SCHEMA_VERSION
+
+    @classmethod
+    def of(cls, target: TargetIdentity, layer_ids: Sequence[int], storage: str) -> RecordMeta:
+        """The meta of records captured from ``target`` at ``layer_ids``, stored as ``storage``."""
+        return cls(target=str(target.name_or_path), tokenizer_hash=str(target.tokenizer_hash),
+                   layer_ids=tuple(int(i) for i in layer_ids), last_layer=int(target.num_layers) - 1,
+                   hidden_size=int(target.hidden_size), storage=storage)
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "layer_ids": list(self.layer_ids)}
@@ -157,6 +174,19 @@ def _row(v: Any) -> Any:
     if isinstance(v, np.generic):
         return v.item()
     return v
+
+
+def table_to_records(table: pa.Table) -> list[Record]:
+    """An arrow table of record rows (:func:`records_to_table`'s layout) → records, in row order."""
+    return batch_to_records(table_to_batch(table))
+
+
+def split_rows(table: pa.Table, sample_ids: set[str]) -> tuple[pa.Table, pa.Table]:
+    """(rows whose ``sample_id`` is not in ``sample_ids``, rows whose it is), each in table order."""
+    import pyarrow.compute as pc
+
+    chosen = pc.is_in(table["sample_id"], value_set=pa.array(sorted(sample_ids), pa.string()))
+    return table.filter(pc.invert(chosen)), table.filter(chosen)
 
 
 def table_to_batch(table: pa.Table) -> dict[str, Any]:

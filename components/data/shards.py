@@ -1,4 +1,5 @@
-"""Shards on disk: deterministic shard plan, atomic shard writes, the manifest, reading back.
+"""Shards on disk: deterministic shard plan, atomic shard writes, the manifest, reading back
+(either format, as records or as arrow tables of record rows: one reader for both).
 
 Layout of ``data.output_dir``::
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from components.data.prompts import Prompt
@@ -35,11 +37,10 @@ from components.data.records import (
     Record,
     RecordMeta,
     RecordMismatchError,
-    batch_to_records,
     check_meta,
     record_bytes_per_token,
     records_to_table,
-    table_to_batch,
+    table_to_records,
 )
 
 MANIFEST = "manifest.json"
@@ -204,17 +205,20 @@ def load_manifest(data_dir: Path, expect: RecordMeta | None = None) -> dict[str,
     return manifest
 
 
-def read_shard(path: Path, expect: RecordMeta | None = None) -> list[Record]:
-    """Records of one shard, in order; refuses a shard written for another meta."""
-    header = read_header(path)
+def _check_header(path: Path, expect: RecordMeta | None) -> None:
     if expect is not None:
-        check_meta(RecordMeta.from_dict(header["meta"]), expect, str(path))
-    if path.is_file():
-        # Tensors are stored as Ray Data's arrow tensor extension types, which must be registered
-        # before the table is read, or pyarrow returns plain structs.
-        import ray.air.util.tensor_extensions.arrow  # noqa: F401
+        check_meta(RecordMeta.from_dict(read_header(path)["meta"]), expect, str(path))
 
-        return batch_to_records(table_to_batch(pq.read_table(path)))
+
+def _read_parquet(path: Path) -> pa.Table:
+    # Tensors are stored as Ray Data's arrow tensor extension types, which must be registered
+    # before the table is read, or pyarrow returns plain structs.
+    import ray.air.util.tensor_extensions.arrow  # noqa: F401
+
+    return pq.read_table(path)
+
+
+def _read_safetensors_dir(path: Path) -> list[Record]:
     from safetensors import safe_open
 
     records = []
@@ -227,6 +231,25 @@ def read_shard(path: Path, expect: RecordMeta | None = None) -> list[Record]:
     return records
 
 
+def read_shard(path: Path, expect: RecordMeta | None = None) -> list[Record]:
+    """Records of one shard (either format), in order; refuses a shard written for another meta."""
+    _check_header(path, expect)
+    return table_to_records(_read_parquet(path)) if path.is_file() else _read_safetensors_dir(path)
+
+
+def read_table(path: Path, expect: RecordMeta | None = None) -> pa.Table:
+    """One shard (either format) as an arrow table of record rows, the layout of
+    :func:`records_to_table` (what ``ray.data.from_arrow`` takes); refuses another meta."""
+    _check_header(path, expect)
+    return _read_parquet(path) if path.is_file() else records_to_table(_read_safetensors_dir(path))
+
+
+def read_tables(data_dir: Path, expect: RecordMeta | None = None) -> list[pa.Table]:
+    """Every shard the manifest lists, one table each, in manifest order (each shard read once)."""
+    data_dir = Path(data_dir)
+    return [read_table(data_dir / s["name"], expect) for s in load_manifest(data_dir, expect)["shards"]]
+
+
 def read_records(data_dir: Path, expect: RecordMeta | None = None, verify: bool = False) -> Iterator[Record]:
     """All records listed in the manifest, shard by shard; ``verify`` checks the sha256 first."""
     data_dir = Path(data_dir)
@@ -237,16 +260,3 @@ def read_records(data_dir: Path, expect: RecordMeta | None = None, verify: bool 
             raise RecordMismatchError(f"{path}: checksum differs from {data_dir / MANIFEST} (corrupt or replaced)")
         yield from read_shard(path, expect)
 
-
-def shard_dataset(data_dir: Path, expect: RecordMeta | None = None):
-    """The parquet shards as a Ray Dataset of record rows (for the training stage)."""
-    import ray.data
-
-    manifest = load_manifest(Path(data_dir), expect)
-    if manifest["format"] != "parquet":
-        raise ValueError(f"{data_dir}: shard_dataset reads parquet shards; these are {manifest['format']}")
-    paths = [str(Path(data_dir) / s["name"]) for s in manifest["shards"]]
-    if expect is not None:
-        for p in paths:
-            check_meta(RecordMeta.from_dict(read_header(Path(p))["meta"]), expect, p)
-    return ray.data.read_parquet(paths)

@@ -1,9 +1,10 @@
 """What the data stage needs to know about the target without loading its weights.
 
 Resolves the target path (building the embedded default if needed), reads its config and
-tokenizer, and derives the :class:`RecordMeta` that every record of this run carries: the
-drafter's layer ids (``drafter.layer_ids``, or the DSpark/DFlash default spread), the last
-layer, hidden size and storage dtype. Knows configs and tokenizers; nothing about Ray.
+tokenizer into a :class:`TargetDescription`, and derives the :class:`RecordMeta` that every
+record of this run carries: the drafter's layer ids (``drafter.layer_ids``, or its family's
+default for this depth), the last layer, hidden size and storage dtype. Knows configs and
+tokenizers; nothing about Ray or model weights.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from components.config import ConfigError, DataConfig, SpeclineConfig, TargetConfig, run_dir
 from components.data.records import STORAGE_DTYPES, RecordMeta
-from components.drafters import drafter_class
+from components.drafters import TargetInfo, drafter_class
 
 
 class DataConfigError(ConfigError):
@@ -23,19 +24,20 @@ class DataConfigError(ConfigError):
 
 
 @dataclass
-class TargetInfo:
+class TargetDescription:
+    """The target as its files describe it: enough to plan and check records, no weights loaded."""
+
     target_cfg: TargetConfig  # name_or_path resolved to a directory or hub id
-    tokenizer: Any
-    tokenizer_hash: str
-    num_layers: int
-    hidden_size: int
+    tokenizer: Any  # the target's HF tokenizer
+    info: TargetInfo  # name, tokenizer hash, sizes and depth (drafters.base)
     corpus_dir: Path | None  # the embedded target's directory (chat/ and corpus/ splits)
 
 
-def describe_target(cfg: SpeclineConfig, target_path: str | None = None) -> TargetInfo:
+def describe_target(cfg: SpeclineConfig, target_path: str | None = None) -> TargetDescription:
     from transformers import AutoConfig, AutoTokenizer
 
-    from components.target.hf import resolve_target_path, tokenizer_hash
+    from components.target.hf import resolve_target_path
+    from components.target.tokenizer import tokenizer_hash
 
     path = target_path or resolve_target_path(cfg.target, progress=True)
     kw = {"revision": cfg.target.revision, "trust_remote_code": cfg.target.trust_remote_code}
@@ -43,9 +45,10 @@ def describe_target(cfg: SpeclineConfig, target_path: str | None = None) -> Targ
     hf_cfg = AutoConfig.from_pretrained(path, **kw)
     hf_cfg = getattr(hf_cfg, "text_config", None) or hf_cfg
     local = Path(path)
-    return TargetInfo(dataclasses.replace(cfg.target, name_or_path=path), tokenizer, tokenizer_hash(tokenizer),
-                      int(hf_cfg.num_hidden_layers), int(hf_cfg.hidden_size),
-                      local if (local / "chat").is_dir() else None)
+    info = TargetInfo(path, tokenizer_hash(tokenizer), int(hf_cfg.hidden_size), int(hf_cfg.vocab_size),
+                      int(hf_cfg.num_hidden_layers))
+    return TargetDescription(dataclasses.replace(cfg.target, name_or_path=path), tokenizer, info,
+                             local if (local / "chat").is_dir() else None)
 
 
 def layer_ids(cfg: SpeclineConfig, num_layers: int) -> list[int]:
@@ -70,11 +73,10 @@ def check_data_config(cfg: DataConfig) -> None:
             raise DataConfigError(f"data.{name}: must be at least 1 (got {getattr(cfg, name)})")
 
 
-def record_meta(cfg: SpeclineConfig, info: TargetInfo) -> RecordMeta:
+def record_meta(cfg: SpeclineConfig, desc: TargetDescription) -> RecordMeta:
+    """The meta of this run's records (after checking ``cfg.data``)."""
     check_data_config(cfg.data)
-    return RecordMeta(target=info.target_cfg.name_or_path, tokenizer_hash=info.tokenizer_hash,
-                      layer_ids=tuple(layer_ids(cfg, info.num_layers)), last_layer=info.num_layers - 1,
-                      hidden_size=info.hidden_size, storage=cfg.data.storage)
+    return RecordMeta.of(desc.info, layer_ids(cfg, desc.info.num_layers), cfg.data.storage)
 
 
 def output_dir(cfg: SpeclineConfig) -> Path:

@@ -16,14 +16,15 @@ from dataclasses import dataclass
 from components.config import SpeclineConfig
 from components.data.actors import RecordMaker, actor_options
 from components.data.prompts import Prompt, PromptStats, collect_prompts
+from components.data.records import RecordMeta
 from components.data.rollout import config_kwargs, prompt_rows
-from components.data.source import TargetInfo, describe_target, record_meta
+from components.data.source import TargetDescription, describe_target, record_meta
 
 
 @dataclass
 class RolloutStream:
     dataset: object  # ray.data.Dataset of record rows (lazy: nothing runs until iterated)
-    meta: object  # RecordMeta
+    meta: RecordMeta  # what every record of the stream was captured for
     prompts: int
     stats: PromptStats
 
@@ -36,20 +37,15 @@ def prompts_dataset(prompts: Sequence[Prompt], batch_size: int):
     return ray.data.from_items(rows, override_num_blocks=max(1, math.ceil(len(rows) / batch_size)))
 
 
-def rollout_stream(cfg: SpeclineConfig, info: TargetInfo | None = None,
+def rollout_stream(cfg: SpeclineConfig, desc: TargetDescription | None = None,
                    prompts: Sequence[Prompt] | None = None) -> RolloutStream:
     """A lazy dataset of records for ``cfg``'s prompts (or the given ones) plus its meta."""
-    info = info or describe_target(cfg)
+    desc = desc or describe_target(cfg)
     stats = PromptStats(used=len(prompts or ()))
     if prompts is None:
-        prompts, stats = collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)
-    meta = record_meta(cfg, info)
+        prompts, stats = collect_prompts(cfg.data, desc.tokenizer, desc.corpus_dir)
+    meta = record_meta(cfg, desc)
     ds = prompts_dataset(prompts, cfg.data.batch_size).map_batches(
         RecordMaker, batch_size=cfg.data.batch_size, batch_format="numpy",
-        fn_constructor_kwargs=config_kwargs(info.target_cfg, cfg.data, meta), **actor_options(cfg.data))
+        fn_constructor_kwargs=config_kwargs(desc.target_cfg, cfg.data, meta), **actor_options(cfg.data))
     return RolloutStream(ds, meta, len(prompts), stats)
-
-
-def rollout_dataset(cfg: SpeclineConfig, info: TargetInfo | None = None):
-    """Just the lazy ``ray.data.Dataset`` of records (see :func:`rollout_stream`)."""
-    return rollout_stream(cfg, info).dataset

@@ -31,14 +31,14 @@ import torch.distributed as dist
 from components.config import SpeclineConfig
 from components.drafters import build_drafter, load_drafter
 from components.training import sharding
-from components.training.batches import numpy_batch_to_draft
-from components.training.checkpoints import (
+from components.training.objectives import ObjectiveContext, build_objective, objective_class
+from components.training.padding import numpy_batch_to_draft
+from components.training.resume import (
     load_trainer_state,
     load_weights,
     read_trainer_state,
     save_checkpoint,
 )
-from components.training.objectives import ObjectiveContext, build_objective, objective_class
 from components.training.sharding import distributed
 from components.training.step import TrainState, build_train_loss, new_train_state, train_step
 

@@ -24,7 +24,7 @@ from torch import nn
 from components.config import TrainConfig
 from components.drafters.base import DraftBatch, Drafter
 from components.losses import DrafterLoss, build_loss
-from components.training.batches import supervised_tokens
+from components.training.padding import supervised_tokens
 from components.training.sharding import check_strategy, full_tensor
 
 Agree = Callable[[bool], bool]  # local flag → all ranks' verdict

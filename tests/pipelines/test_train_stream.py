@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from components.config import ConfigError, SpeclineConfig, TrainConfig
 from components.drafters import build_drafter, load_drafter
 from components.tracking import Tracker
+from components.training.inputs import check_stream_resources
 from pipelines import train
 from tests.pipelines.conftest import TRAIN_DATA, TRAIN_DRAFTER
 
@@ -33,10 +34,10 @@ def test_stream_resources_must_fit_beside_the_train_workers(tmp_path, tiny_targe
     cfg = _cfg(tmp_path, tiny_target_cfg, cpus_per_worker=1.0)
     with pytest.raises(ConfigError, match=r"train\.num_workers × train\.cpus_per_worker \(2 × 1\.0\) \+ "
                                           r"data\.num_actors × data\.cpus_per_actor \(1 × 0\.5\) = 2\.5 CPUs.*has 2"):
-        train.check_stream_resources(cfg, {"CPU": 2.0})
-    train.check_stream_resources(_cfg(tmp_path, tiny_target_cfg), {"CPU": 2.0})  # 2 × 0.5 + 0.5 fits
+        check_stream_resources(cfg, {"CPU": 2.0})
+    check_stream_resources(_cfg(tmp_path, tiny_target_cfg), {"CPU": 2.0})  # 2 × 0.5 + 0.5 fits
     with pytest.raises(ConfigError, match="GPUs"):
-        train.check_stream_resources(_cfg(tmp_path, tiny_target_cfg, use_gpu=True), {"CPU": 8.0, "GPU": 1.0})
+        check_stream_resources(_cfg(tmp_path, tiny_target_cfg, use_gpu=True), {"CPU": 8.0, "GPU": 1.0})
 
 
 @pytest.mark.slow
@@ -50,6 +51,7 @@ def test_training_on_the_rollout_stream_end_to_end(tmp_path, tiny_target_cfg, ti
     assert offline["steps"] == 2 and offline["tokens_per_s"] > 0
     assert torch.isfinite(torch.tensor([offline["loss_first"], offline["loss_last"]])).all()
     drafter = load_drafter(out["drafter_path"], tiny_target)
+    torch.manual_seed(cfg.train.seed)  # the drafter the stage started from
     fresh = build_drafter(cfg.drafter, tiny_target)
     assert any(not torch.equal(a, b) for a, b in zip(drafter.parameters(), fresh.parameters()))  # trained
     assert out["heldout_tau"] >= 1 and len(out["heldout_alpha"]) == 4  # held-out prompts rolled out too

@@ -1,6 +1,6 @@
 """Carryover drafting: draft → verify → re-draft with the target's rejected states (methods-notes §3).
 
-Per batch of recorded target rollouts, for DFlash-family block drafters (DFlash, DSpark):
+Per batch of recorded target rollouts, for block drafters declaring ``block_internals`` and ``carryover``:
 
 1. **First draft, no gradients.** Anchors a as the offline objective samples them (at most
    ``max_anchors`` per row). Each block is drafted greedily and free-running, exactly as
@@ -27,15 +27,17 @@ runs a branch that cannot be trained. Branches are separate right-padded target 
 one block-diagonal mask over a shared prefix): exact with any HF model, at the cost of recomputing
 each branch's prefix.
 
-The drafter needs ``drafter.carryover=true`` (E_carry); ``drafter_overrides`` sets it when the
-chain loads the previous objective's drafter, so E_carry starts at zero and the drafter starts as
-exactly the previous one. Knows the DFlash block interface and the target interface.
+Requires of its drafter (checked when built, :func:`components.drafters.capabilities.require`):
+``block_internals`` (the block backbone it unrolls) and ``carryover`` (E_carry, which exists with
+``drafter.carryover=true``; ``drafter_overrides`` sets it when the chain loads the previous
+objective's drafter, so E_carry starts at zero and the drafter starts as exactly the previous
+one). Knows those two capabilities' Protocols and the target interface; no drafter family.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -47,13 +49,18 @@ from components.drafters.base import (
     DraftTrainOutput,
     block_tokens,
 )
-from components.drafters.dflash import DFlashDrafter, sample_anchors
+from components.drafters.capabilities import BlockInternals, Capability, Carryover, require
+from components.drafters.dflash import sample_anchors
 from components.drafters.layers import KV
 from components.losses import DrafterLoss, LossOutput
 from components.spec.sampling import SamplingParams
 from components.training.objectives.base import Objective, ObjectiveContext, register_objective
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+class CarryoverDrafter(BlockInternals, Carryover, Protocol):
+    """What this objective uses of its drafter: the block backbone and E_carry."""
 
 
 @dataclass
@@ -87,15 +94,14 @@ class CarryoverObjective(Objective):
         chunk: int = 32  # anchors per no-grad first-draft pass
         verify_chunk: int = 16  # rejected branches per target forward
 
+    drafter: CarryoverDrafter  # besides the core Drafter interface (layer_ids, cfg, train/eval)
+
     def __init__(self, drafter: Drafter, loss: DrafterLoss, params: Any, context: ObjectiveContext):
-        if not isinstance(drafter, DFlashDrafter):
-            raise DrafterError(
-                f"objective 'carryover' needs a block drafter with block states (the DFlash family: "
-                f"dflash, dspark); drafter '{drafter.cfg.name}' ({type(drafter).__name__}) has none")
-        if getattr(drafter, "carry_embed", None) is None:
-            raise DrafterError(
-                f"objective 'carryover': drafter '{drafter.cfg.name}' has no carryover embedding; build or "
-                "load it with drafter.carryover=true (the objective chain sets it via drafter_overrides)")
+        require(drafter, "objective 'carryover'", Capability.BLOCK_INTERNALS,
+                hint="it unrolls a block drafter's backbone (block drafters such as dflash and dspark declare it)")
+        require(drafter, "objective 'carryover'", Capability.CARRYOVER,
+                hint="build or load the drafter with drafter.carryover=true "
+                     "(the objective chain sets it via drafter_overrides)")
         if context.target is None:
             raise DrafterError("objective 'carryover' verifies drafts with the frozen target: "
                                "ObjectiveContext.target is None")

@@ -16,20 +16,24 @@ target states drifts there; this objective trains it for that situation:
 
 Stage-s training logits equal those of the inference loop (propose → consume_own → propose)
 when the earlier stages' drafts were right; tests/components/training/test_dloop.py checks it.
-Knows the DFlash block pieces; no new parameters, no extra target forwards.
+Requires of its drafter (checked when built): ``block_internals`` (the block backbone it unrolls)
+and ``own_context`` (``consume_own``, without which the trained loop cannot be served). Knows
+those capabilities' Protocols; no drafter family, no new parameters, no extra target forwards.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from components.drafters.base import DraftBatch, DrafterError, DraftTrainOutput
-from components.drafters.dflash import DFlashDrafter, sample_anchors
-from components.losses import LossOutput
-from components.training.objectives.base import Objective, register_objective
+from components.drafters.base import DraftBatch, Drafter, DrafterError, DraftTrainOutput
+from components.drafters.capabilities import BlockInternals, Capability, require
+from components.drafters.dflash import sample_anchors
+from components.losses import DrafterLoss, LossOutput
+from components.training.objectives.base import Objective, ObjectiveContext, register_objective
 
 
 @register_objective("dloop")
@@ -39,11 +43,13 @@ class DLoopObjective(Objective):
         max_stages: int = 3  # N: deepest unroll (S is drawn from 2..N per batch)
         bptt: bool = False  # let gradients flow from stage S back through the own states
 
-    def __init__(self, drafter, loss, params, context):
+    drafter: BlockInternals  # besides the core Drafter interface (cfg, ...)
+
+    def __init__(self, drafter: Drafter, loss: DrafterLoss, params: Any, context: ObjectiveContext):
+        require(drafter, "objective 'dloop'", Capability.BLOCK_INTERNALS, Capability.OWN_CONTEXT,
+                hint="it unrolls a block drafter's stages on its own states (block drafters such as dflash "
+                     "and dspark declare both)")
         super().__init__(drafter, loss, params, context)
-        if not isinstance(drafter, DFlashDrafter):
-            raise DrafterError(f"objective 'dloop' needs a block drafter with own context states (dflash, dspark); "
-                               f"'{drafter.cfg.name}' has none")
         if params.max_stages < 2:
             raise DrafterError(f"objective 'dloop': max_stages must be >= 2, got {params.max_stages}")
 
@@ -62,7 +68,7 @@ class DLoopObjective(Objective):
 
     def stage_outputs(self, batch: DraftBatch, anchors: Tensor, depth: int) -> list[tuple[DraftTrainOutput, Tensor]]:
         """(teacher-forced output, block states z [B, A, bs, H]) of stages 1..depth at anchors [B, A]."""
-        d: DFlashDrafter = self.drafter
+        d = self.drafter
         b, t = batch.input_ids.shape
         dev, gamma = anchors.device, d.block_drafts
         target_ctx = d.target_context(batch.hidden)

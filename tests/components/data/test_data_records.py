@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -16,9 +18,12 @@ from components.data.records import (
     encode,
     record_bytes_per_token,
     records_to_table,
+    split_rows,
     table_to_batch,
+    table_to_records,
 )
-from components.data.shards import ShardSpec, read_shard, write_shard
+from components.data.shards import ShardSpec, read_shard, read_table, write_shard
+from components.drafters.base import TargetInfo
 
 META = RecordMeta("t", "abc", (0, 2), 3, 8, "float16")
 
@@ -72,6 +77,22 @@ def test_shard_formats_round_trip(tmp_path, fmt):
     assert not list(tmp_path.glob(".*"))  # nothing temporary left
     back = read_shard(tmp_path / summary["name"], expect=meta)
     assert all(a.equals(b) for a, b in zip(records, back))
+    table = read_table(tmp_path / summary["name"], expect=meta)  # the same records as arrow rows
+    assert all(a.equals(b) for a, b in zip(records, table_to_records(table)))
+    with pytest.raises(RecordMismatchError, match="storage is 'int8', expected 'float16'"):
+        read_table(tmp_path / summary["name"], expect=dataclasses.replace(meta, storage="float16"))
+
+
+def test_split_rows_keeps_order_and_parts():
+    table = records_to_table([_record(i, 3) for i in range(5)])
+    rest, chosen = split_rows(table, {"s3", "s1", "zz"})
+    assert rest["sample_id"].to_pylist() == ["s0", "s2", "s4"] and chosen["sample_id"].to_pylist() == ["s1", "s3"]
+    assert [r.sample_id for r in table_to_records(chosen)] == ["s1", "s3"]
+
+
+def test_meta_of_a_target_is_the_one_constructor():
+    target = TargetInfo("t", "abc", hidden_size=8, vocab_size=100, num_layers=4)
+    assert RecordMeta.of(target, [0, 2], "float16") == RecordMeta("t", "abc", (0, 2), 3, 8, "float16")
 
 
 def test_meta_mismatch_names_every_field():

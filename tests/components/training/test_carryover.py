@@ -18,7 +18,7 @@ from components.spec.sampling import SamplingParams
 from components.training import collate, new_train_state, train_step
 from components.training.objectives import ObjectiveContext, build_objective
 from components.training.objectives.carryover import CarryoverObjective
-from tests.components.training.test_training_steps import _record
+from tests.components.training.test_training_steps import _record, first_step_descends
 
 GREEDY = SamplingParams(temperature=0.0)
 DRAFTERS = {
@@ -118,7 +118,7 @@ def test_masked_carryover_rows_change_nothing_and_real_rows_only_their_own_block
 
 
 @pytest.mark.parametrize("name", ["dspark", "dflash"])
-def test_objective_trains_lowers_the_loss_and_reaches_carry_embed(name, tiny_target, records):
+def test_objective_trains_descends_its_loss_and_reaches_carry_embed(name, tiny_target, records):
     drafter = _drafter(tiny_target, name)
     obj = _objective(tiny_target, drafter, max_anchors=4, verify_chunk=4)
     batch = collate(records)
@@ -132,9 +132,9 @@ def test_objective_trains_lowers_the_loss_and_reaches_carry_embed(name, tiny_tar
     drafter.zero_grad()
 
     state = new_train_state(drafter, TrainConfig(lr=3e-3, warmup_steps=1), 10, seed=1, objective=obj)
-    metrics = [train_step(state, batch) for _ in range(6)]
+    metrics = [first_step_descends(state, batch, seed=0)] + [train_step(state, batch) for _ in range(5)]
     losses = [m["train/loss"] for m in metrics]
-    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    assert all(torch.isfinite(torch.tensor(losses))), losses
     assert metrics[0]["train/carry_blocks"] > 0
     assert drafter.carry_embed.abs().sum() > 0  # E_carry is trained
 
@@ -153,9 +153,11 @@ def test_random_anchors_without_batch_anchors(tiny_target, records):
 def test_refuses_drafters_without_block_states_or_carry_embed(tiny_target):
     torch.manual_seed(0)
     eagle = build_drafter(DrafterConfig(name="eagle3", ttt_steps=2), tiny_target)
-    with pytest.raises(DrafterError, match=r"objective 'carryover'.*drafter 'eagle3' \(Eagle3Drafter\) has none"):
+    with pytest.raises(DrafterError, match=r"objective 'carryover' needs capability block_internals; "
+                                           r"drafter 'eagle3' \(Eagle3Drafter\)"):
         _objective(tiny_target, eagle)
-    with pytest.raises(DrafterError, match="drafter 'dflash' has no carryover embedding.*carryover=true"):
+    with pytest.raises(DrafterError, match=r"objective 'carryover' needs capability carryover; drafter 'dflash' "
+                                           r".*drafter\.carryover=true"):
         _objective(tiny_target, _drafter(tiny_target, "dflash", carryover=False))
     with pytest.raises(DrafterError, match="ObjectiveContext.target is None"):
         build_objective("carryover", _drafter(tiny_target, "dflash"), build_loss("kl"))

@@ -12,7 +12,7 @@ from components.losses import build_loss
 from components.spec.sampling import SamplingParams
 from components.training import collate, new_train_state, train_step
 from components.training.objectives import ObjectiveContext, build_objective
-from tests.components.training.test_training_steps import _record
+from tests.components.training.test_training_steps import _record, first_step_descends
 
 DRAFTERS = {
     "dspark": DrafterConfig(name="dspark", block_size=4, num_anchors=6, markov_rank=8),
@@ -53,15 +53,13 @@ def test_stage_states_equal_the_inference_loop(name, tiny_target, records):
     assert state.length == a + 3 * gamma and d.rollback(state, a).length == a
 
 
-def test_dloop_objective_lowers_its_loss_and_reads_own_states(tiny_target, records):
+def test_dloop_objective_descends_its_loss_and_reads_own_states(tiny_target, records):
     objective = _objective("dspark", tiny_target, max_stages=3)
     state = new_train_state(objective.drafter, TrainConfig(lr=3e-3, warmup_steps=1), 10, seed=1, objective=objective)
     batch = collate(records)
-    losses = []
-    for _ in range(8):
-        state.generator.manual_seed(3)  # same anchors and depth every step
-        losses.append(train_step(state, batch)["train/loss"])
-    assert losses[-1] < 0.9 * losses[0], losses
+    metrics = [first_step_descends(state, batch, seed=3)] + [train_step(state, batch) for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(m["train/loss"])) for m in metrics)
+    assert all(2 <= m["train/depth"] <= 3 for m in metrics)  # S drawn from 2..max_stages
     # A chain reads only its own stage states: dropping the other chain changes nothing in it.
     with torch.no_grad():
         both = objective.stage_outputs(batch, torch.tensor([[4, 9], [4, 9]]), depth=3)[2][0].draft_logits
@@ -70,9 +68,10 @@ def test_dloop_objective_lowers_its_loss_and_reads_own_states(tiny_target, recor
     torch.testing.assert_close(both.view(2, 2, gamma, -1)[:, 0], alone.view(2, 2, gamma, -1)[:, 0])
 
 
-def test_dloop_refuses_drafters_without_own_context(tiny_target):
+def test_dloop_refuses_drafters_without_block_internals_or_own_context(tiny_target):
     drafter = build_drafter(DrafterConfig(name="eagle3"), tiny_target)
-    with pytest.raises(DrafterError, match="'dloop' needs a block drafter.*'eagle3'"):
+    with pytest.raises(DrafterError, match=r"objective 'dloop' needs capability block_internals, own_context; "
+                                           r"drafter 'eagle3' \(Eagle3Drafter\)"):
         build_objective("dloop", drafter, build_loss("kl"))
     with pytest.raises(DrafterError, match="cannot use its own states"):
         drafter.consume_own(drafter.init_state(1), torch.zeros(1, 2, tiny_target.hidden_size))

@@ -24,7 +24,7 @@ from components.training import (
     train_step,
 )
 from components.training.chain import resolve_chain
-from components.training.checkpoints import load_trainer_state, load_weights
+from components.training.resume import load_trainer_state, load_weights
 from tests.components.training.test_training_steps import _record
 
 DRAFTER = DrafterConfig(name="dspark", block_size=4, num_anchors=8, markov_rank=8)

@@ -1,6 +1,7 @@
-"""α by draft position and the τ estimates of a drafter on held-out records (no gradients).
+"""The held-out split, and α by draft position and the τ estimates of a drafter on it (no gradients).
 
-Two estimates, side by side:
+The split (:func:`heldout_ids`) is a seeded hash of the sample ids, so the driver, every worker
+and every rerun agree on it whatever the shard order. Two estimates, side by side:
 
 * from distributions: α_k = 1 − TV(p_k, q_k) averaged over every valid draft position k of
   every block (random anchors), weighted by how many blocks reach k; τ = 1 + Σ_k Π_{i≤k} α_i
@@ -15,15 +16,35 @@ same blocks. Knows the drafter interface and the loss output; nothing about Ray 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from collections.abc import Iterable, Sequence
 
 import torch
 
+from components.config import TrainConfig
 from components.data.records import Record
 from components.drafters.base import Drafter
 from components.losses import DrafterLoss
-from components.training.batches import chunks, collate
+from components.training.padding import chunks, collate
 from components.training.rounds import Rounds, simulate_rounds
+from components.training.step import build_train_loss
+
+
+def heldout_ids(sample_ids: Sequence[str], fraction: float, seed: int) -> set[str]:
+    """A deterministic held-out subset: the ``fraction`` (≥ 1 record, < all) with the smallest
+    seeded hash. Independent of shard order, so the driver and every worker agree."""
+    ids = sorted(set(sample_ids))
+    if len(ids) < 2 or fraction <= 0:
+        return set()
+    k = min(len(ids) - 1, max(1, round(fraction * len(ids))))
+    key = lambda s: hashlib.sha256(f"{seed}:{s}".encode()).hexdigest()
+    return set(sorted(ids, key=key)[:k])
+
+
+def evaluate_heldout(tc: TrainConfig, drafter: Drafter, records: Sequence[Record]) -> dict[str, object]:
+    """:func:`evaluate_records` with the stage's ``train.loss`` and eval batch size (the same for
+    every objective of a chain, so their numbers compare)."""
+    return evaluate_records(drafter, build_train_loss(tc), records, tc.eval_batch_size, tc.seed)
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Data-stage records → padded :class:`DraftBatch` tensors, and the held-out split.
+"""Data-stage records → right-padded :class:`DraftBatch` tensors.
 
 Records hold float16/int8/float32 hidden states of varying length T; a batch is right-padded
 to the longest record (token 0, zero hidden states, loss mask False), decoded to float32.
@@ -8,7 +8,6 @@ never supervised. Knows records and tensors; nothing about Ray, models or losses
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -60,14 +59,3 @@ def chunks(records: Iterable[Record], size: int) -> Iterator[list[Record]]:
             out = []
     if out:
         yield out
-
-
-def heldout_ids(sample_ids: Sequence[str], fraction: float, seed: int) -> set[str]:
-    """A deterministic held-out subset: the ``fraction`` (≥ 1 record, < all) with the smallest
-    seeded hash. Independent of shard order, so the driver and every worker agree."""
-    ids = sorted(set(sample_ids))
-    if len(ids) < 2 or fraction <= 0:
-        return set()
-    k = min(len(ids) - 1, max(1, round(fraction * len(ids))))
-    key = lambda s: hashlib.sha256(f"{seed}:{s}".encode()).hexdigest()
-    return set(sorted(ids, key=key)[:k])
