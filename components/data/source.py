@@ -16,7 +16,8 @@ from typing import Any
 
 from components.config import ConfigError, DataConfig, SpeclineConfig, TargetConfig, run_dir
 from components.data.records import STORAGE_DTYPES, RecordMeta
-from components.drafters import TargetInfo, drafter_class
+from components.drafters import TargetInfo
+from components.drafters.registry import resolve_layer_ids
 
 
 class DataConfigError(ConfigError):
@@ -51,17 +52,6 @@ def describe_target(cfg: SpeclineConfig, target_path: str | None = None) -> Targ
                              local if (local / "chat").is_dir() else None)
 
 
-def layer_ids(cfg: SpeclineConfig, num_layers: int) -> list[int]:
-    """The drafter's layer ids: configured, or its family's default for this target depth."""
-    ids = cfg.drafter.layer_ids
-    if ids is None:
-        ids = drafter_class(cfg.drafter.name).default_layer_ids(num_layers, cfg.drafter)
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise DataConfigError(f"drafter.layer_ids: {bad} out of range 0..{num_layers - 1} for this target")
-    return list(ids)
-
-
 def check_data_config(cfg: DataConfig) -> None:
     checks = [("mode", cfg.mode, ("shards", "stream")), ("storage", cfg.storage, tuple(STORAGE_DTYPES)),
               ("format", cfg.format, ("parquet", "safetensors")), ("backend", cfg.backend, ("transformers", "vllm"))]
@@ -76,7 +66,7 @@ def check_data_config(cfg: DataConfig) -> None:
 def record_meta(cfg: SpeclineConfig, desc: TargetDescription) -> RecordMeta:
     """The meta of this run's records (after checking ``cfg.data``)."""
     check_data_config(cfg.data)
-    return RecordMeta.of(desc.info, layer_ids(cfg, desc.info.num_layers), cfg.data.storage)
+    return RecordMeta.of(desc.info, resolve_layer_ids(cfg.drafter, desc.info.num_layers), cfg.data.storage)
 
 
 def output_dir(cfg: SpeclineConfig) -> Path:

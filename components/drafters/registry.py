@@ -65,16 +65,25 @@ def layer_sizes(cfg: DrafterConfig, target: Any) -> LayerSizes:
     )
 
 
-def resolve_spec(cfg: DrafterConfig, target: Any) -> DrafterSpec:
-    """Every None of cfg filled from the drafter's defaults and the target."""
-    cls = drafter_class(cfg.name)
-    layer_ids = list(cfg.layer_ids) if cfg.layer_ids is not None else cls.default_layer_ids(target.num_layers, cfg)
-    bad = [i for i in layer_ids if not 0 <= i < target.num_layers]
+def resolve_layer_ids(cfg: DrafterConfig, num_layers: int) -> list[int]:
+    """The target layers the drafter reads: configured, or its family's default for a target of
+    ``num_layers`` decoder layers (the one place layer ids are resolved; the data stage calls it
+    before any weights are loaded)."""
+    layer_ids = list(cfg.layer_ids) if cfg.layer_ids is not None else \
+        drafter_class(cfg.name).default_layer_ids(num_layers, cfg)
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
     if bad or not layer_ids:
         raise DrafterError(
             f"drafter.layer_ids {layer_ids}: {bad or 'none'} out of range for a target with "
-            f"{target.num_layers} layers (valid 0..{target.num_layers - 1}; layer i = HF hidden_states[i+1])"
+            f"{num_layers} layers (valid 0..{num_layers - 1}; layer i = HF hidden_states[i+1])"
         )
+    return layer_ids
+
+
+def resolve_spec(cfg: DrafterConfig, target: Any) -> DrafterSpec:
+    """Every None of cfg filled from the drafter's defaults and the target."""
+    cls = drafter_class(cfg.name)
+    layer_ids = resolve_layer_ids(cfg, target.num_layers)
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(target.tokenizer, "mask_token_id", None)
     full = resolved(
         cfg,

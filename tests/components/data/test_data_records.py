@@ -37,19 +37,6 @@ def _record(i: int, T: int, storage: str = "float16") -> Record:
     return Record(f"s{i}", np.arange(T, dtype=np.int32), mask, h, lh, hs, ls, T // 2, i)
 
 
-def test_data_layer_ids_are_the_drafters_own():
-    from components.config import DrafterConfig, SpeclineConfig
-    from components.data.source import layer_ids
-    from components.drafters import drafter_class
-
-    for name in ("dspark", "eagle3", "medusa"):
-        cfg = SpeclineConfig(drafter=DrafterConfig(name=name))
-        for depth in (4, 8, 36):
-            assert layer_ids(cfg, depth) == drafter_class(name).default_layer_ids(depth, cfg.drafter)
-    assert layer_ids(SpeclineConfig(), 36) == [1, 9, 17, 25, 33]  # Qwen3-8B, DSpark's 5 taps
-    assert layer_ids(SpeclineConfig(), 8) == [1, 2, 3, 4, 5]  # the embedded default target
-
-
 def test_int8_storage_is_smaller_and_close():
     x = np.random.default_rng(0).standard_normal((5, 3, 64)).astype(np.float32) * 4
     q, s = encode(x, "int8")

@@ -118,3 +118,17 @@ def test_training_matches_inference(tiny_target, ids, name, dr):
     torch.testing.assert_close(out.draft_logits[:, :checked], prop.logits[:, :checked], rtol=1e-4, atol=1e-4)
     assert out.valid.sum(1).tolist() == [gamma, gamma]
     assert torch.equal(out.target_tokens, prop.tokens)
+
+
+def test_layer_ids_resolve_in_one_place():
+    """The data stage (before any weights load) and build_drafter read the same resolution."""
+    from components.drafters.registry import resolve_layer_ids
+
+    for name in ("dspark", "eagle3", "medusa"):
+        cfg = DrafterConfig(name=name)
+        for depth in (4, 8, 36):
+            assert resolve_layer_ids(cfg, depth) == DRAFTERS[name].default_layer_ids(depth, cfg)
+    assert resolve_layer_ids(DrafterConfig(), 36) == [1, 9, 17, 25, 33]  # Qwen3-8B, DSpark's 5 taps
+    assert resolve_layer_ids(DrafterConfig(), 8) == [1, 2, 3, 4, 5]
+    with pytest.raises(DrafterError, match=r"drafter.layer_ids \[0, 9\]: \[9\] out of range .* 8 layers"):
+        resolve_layer_ids(DrafterConfig(layer_ids=[0, 9]), 8)
