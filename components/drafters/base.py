@@ -2,7 +2,10 @@
 
 A drafter reads target hidden states at ``layer_ids`` (layer i = output of decoder layer i,
 0-based = HF ``hidden_states[i+1]``), shares the target's frozen embedding table and LM head
-(never registered as its own parameters), and proposes ``γ`` tokens per round.
+(never registered as its own parameters), and proposes γ tokens per round: γ is
+``num_speculative_tokens`` in config and code (``gamma`` in formula code, the survey's symbol);
+a block drafter's ``block_size`` is the block layout, and ``max_speculative_tokens`` the most one
+block drafts. The adaptive engine's per-round cap G ≤ γ · ``loop_stages`` (``max_cap``).
 
 Engine protocol, for a sequence whose tokens ``x_0..x_{n-1}`` are verified and whose target
 hidden states exist for ``x_0..x_{n-2}`` (the last token, the bonus/recovered one, has not been
@@ -168,12 +171,12 @@ def sample_tokens(
     return tokens, probs
 
 
-def row_settings(rows: int, sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None,
+def row_settings(rows: int, sampling: SamplingParams | list[SamplingParams], num_speculative_tokens: int | list[int] | None,
                  generators: list[torch.Generator | None] | None,
                  default_drafts: int) -> tuple[list[int], list[SamplingParams], list[torch.Generator | None]]:
     """A ``propose_many`` call's arguments per row: (γ, sampling, generator) lists of ``rows``,
     from values shared by all rows or given one per row."""
-    per_row = num_drafts if isinstance(num_drafts, list) else [num_drafts or default_drafts] * rows
+    per_row = num_speculative_tokens if isinstance(num_speculative_tokens, list) else [num_speculative_tokens or default_drafts] * rows
     samplings = sampling if isinstance(sampling, list) else [sampling] * rows
     return per_row, samplings, generators if generators is not None else [None] * rows
 
@@ -312,18 +315,23 @@ class Drafter(nn.Module, ABC):
         return list(self.cfg.layer_ids or [])
 
     @property
-    def num_drafts(self) -> int:
-        """γ: draft tokens per round by default."""
-        return int(self.cfg.num_drafts or 1)
+    def num_speculative_tokens(self) -> int:
+        """γ: draft tokens per round by default (resolved by ``registry.resolve_spec``)."""
+        return int(self.cfg.num_speculative_tokens)
 
     @staticmethod
     def default_layer_ids(num_target_layers: int, cfg: DrafterConfig) -> list[int]:
         return spread_layer_ids(num_target_layers, cfg.num_taps)
 
     @staticmethod
-    def default_num_drafts(cfg: DrafterConfig) -> int:
-        """γ when the config leaves ``num_drafts`` unset."""
+    def default_num_speculative_tokens(cfg: DrafterConfig) -> int:
+        """γ when the config leaves ``num_speculative_tokens`` unset."""
         return 1
+
+    @staticmethod
+    def max_speculative_tokens_for(cfg: DrafterConfig) -> int | None:
+        """The largest γ one round (one DLoop stage) can draft; None: no bound."""
+        return None
 
     # -- what subclasses implement
     @abstractmethod
@@ -340,7 +348,7 @@ class Drafter(nn.Module, ABC):
 
     @abstractmethod
     def propose(self, state: DraftState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
-                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
         """Drafts after ``last_token`` [B] (at position state.length); the state is unchanged."""
 
     @abstractmethod
@@ -388,7 +396,7 @@ class Drafter(nn.Module, ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.cfg.name, "layer_ids": self.layer_ids, "parameters": self.num_parameters(),
-                "num_drafts": self.num_drafts, "sequential_passes": self.sequential_passes(self.num_drafts)}
+                "num_speculative_tokens": self.num_speculative_tokens, "sequential_passes": self.sequential_passes(self.num_speculative_tokens)}
 
 
 def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:

@@ -56,7 +56,7 @@ _METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.OWN_CONTEXT: ("consume_own",),
     Capability.CARRYOVER: ("with_carry", "carry_embed"),
     Capability.CAUSAL_TREE_HEAD: ("causal_tree_head",),
-    Capability.BLOCK_INTERNALS: ("backbone", "block_drafts", "target_context", "block_states",
+    Capability.BLOCK_INTERNALS: ("backbone", "max_speculative_tokens", "target_context", "block_states",
                                  "draft_states", "block_output", "sample_readout", "train_readout"),
     Capability.SLOT_HEADS: ("markov_head", "confidence_head"),
 }
@@ -87,7 +87,7 @@ def require(drafter: Any, feature: str, *capabilities: Capability, hint: str = "
 class BatchedPropose(Protocol):
     def propose_many(self, states: list[DraftState], last_tokens: Tensor,  # last_tokens [R] long
                      sampling: SamplingParams | list[SamplingParams],
-                     num_drafts: int | list[int] | None = None,
+                     num_speculative_tokens: int | list[int] | None = None,
                      generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
         """One proposal [1, γ_i] per row, each equal to ``propose`` on that row alone."""
 
@@ -120,7 +120,7 @@ class BlockInternals(Protocol):
     """The block backbone as the DLoop and carryover objectives unroll it (DFlash family)."""
 
     backbone: Any  # BlockBackbone: fc, fuse, features_kv, context_kv
-    block_drafts: int  # draft slots per block
+    max_speculative_tokens: int  # draft slots per block
 
     def target_context(self, hidden: Tensor) -> list[KV]: ...  # taps [B, T, n, H] -> K/V per layer
     def block_states(self, input_ids: Tensor, anchors: Tensor, context: list[KV],

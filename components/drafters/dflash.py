@@ -134,19 +134,24 @@ class DFlashDrafter(Drafter):
             self.carry_embed = nn.Parameter(torch.zeros(self.backbone.fc.in_features))
 
     @staticmethod
-    def default_num_drafts(cfg: DrafterConfig) -> int:
+    def default_num_speculative_tokens(cfg: DrafterConfig) -> int:
         return cfg.block_size - (0 if cfg.sample_from_anchor else 1)
+
+    @staticmethod
+    def max_speculative_tokens_for(cfg: DrafterConfig) -> int | None:
+        return cfg.block_size - (0 if cfg.sample_from_anchor else 1)  # one block's draft slots
 
     @property
     def first_slot(self) -> int:
         return 0 if self.cfg.sample_from_anchor else 1
 
     @property
-    def block_drafts(self) -> int:
+    def max_speculative_tokens(self) -> int:
+        """Draft slots of one block: the most one round (one DLoop stage) drafts."""
         return self.cfg.block_size - self.first_slot
 
     def sequential_passes(self, gamma: int) -> int:
-        return math.ceil(gamma / self.block_drafts)
+        return math.ceil(gamma / self.max_speculative_tokens)
 
     # ---------------------------------------------------------------- training
     def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None,
@@ -185,12 +190,12 @@ class DFlashDrafter(Drafter):
 
     def draft_states(self, z: Tensor) -> Tensor:
         """z [B, A, bs, H] → the states of the γ draft slots [B, A, γ, H] (draft j → x_{a+j+1})."""
-        return z[:, :, self.first_slot:self.first_slot + self.block_drafts]
+        return z[:, :, self.first_slot:self.first_slot + self.max_speculative_tokens]
 
     def block_output(self, batch: DraftBatch, anchors: Tensor, z: Tensor, targets: bool = True) -> DraftTrainOutput:
         """Teacher-forced readout of blocks z [B, A, bs, H] at anchors [B, A], with their targets
         (``targets=False``: data tokens and validity only, no target logits)."""
-        gamma = self.block_drafts
+        gamma = self.max_speculative_tokens
         zd = self.draft_states(z).reshape(-1, gamma, z.shape[-1])  # [N, γ, H]
         prev_pos = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(gamma, device=anchors.device)
         prev = gather_positions(batch.input_ids, prev_pos).reshape(-1, gamma)  # [N, γ] x_{a+j}
@@ -232,10 +237,10 @@ class DFlashDrafter(Drafter):
         return out
 
     def propose(self, state: DraftState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
-                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
-        gamma = num_drafts or self.block_drafts
-        if gamma > self.block_drafts:
-            raise DrafterError(f"{self.cfg.name} drafts at most {self.block_drafts} tokens per block, asked {gamma}")
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
+        gamma = num_speculative_tokens or self.max_speculative_tokens
+        if gamma > self.max_speculative_tokens:
+            raise DrafterError(f"{self.cfg.name} drafts at most {self.max_speculative_tokens} tokens per block, asked {gamma}")
         b, bs = last_token.shape[0], self.cfg.block_size
         ids = torch.full((b, bs), int(self.cfg.mask_token_id), dtype=torch.long, device=last_token.device)
         ids[:, 0] = last_token
@@ -247,18 +252,18 @@ class DFlashDrafter(Drafter):
         return proposal
 
     def propose_many(self, states: list[DraftState], last_tokens: Tensor,
-                     sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None = None,
+                     sampling: SamplingParams | list[SamplingParams], num_speculative_tokens: int | list[int] | None = None,
                      generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
         """``propose`` for many batch-1 states in ONE backbone pass (the batch engine's rows):
         contexts of different lengths are right-padded and masked. last_tokens [R]. ``sampling``
         is shared or one per row; with ``generators`` (one per row) each row's readout draws
-        from its own generator, as ``propose`` for that row alone would. ``num_drafts`` is shared
+        from its own generator, as ``propose`` for that row alone would. ``num_speculative_tokens`` is shared
         or one per row; each row's proposal has its own γ (all-greedy rows, which use no
         randomness, are read out together at the longest γ and then cut)."""
-        per_row, samplings, gens = row_settings(len(states), sampling, num_drafts, generators, self.block_drafts)
+        per_row, samplings, gens = row_settings(len(states), sampling, num_speculative_tokens, generators, self.max_speculative_tokens)
         gamma = max(per_row)
-        if gamma > self.block_drafts:
-            raise DrafterError(f"{self.cfg.name} drafts at most {self.block_drafts} tokens per block, asked {gamma}")
+        if gamma > self.max_speculative_tokens:
+            raise DrafterError(f"{self.cfg.name} drafts at most {self.max_speculative_tokens} tokens per block, asked {gamma}")
         ctxs = [self.propose_context(s) for s in states]  # per row: per layer (k, v) [1, h, L_r, d]
         bs, r = self.cfg.block_size, len(states)
         padded = [pad_kv_rows([c[layer] for c in ctxs], last_tokens.device) for layer in range(len(ctxs[0]))]
@@ -306,8 +311,8 @@ class DFlashDrafter(Drafter):
             raise DrafterError(f"drafter '{self.cfg.name}' has no carryover embedding: build or load it with "
                                "drafter.carryover=true (and train it with the 'carryover' objective)")
         b, k, n, h = hidden_rej.shape
-        if k > self.block_drafts:
-            raise DrafterError(f"carryover context is bounded by one block ({self.block_drafts} rows), got {k}")
+        if k > self.max_speculative_tokens:
+            raise DrafterError(f"carryover context is bounded by one block ({self.max_speculative_tokens} rows), got {k}")
         if k == 0:
             return DraftState(state.length, state.kv, state.feats)
         x = hidden_rej.to(self.backbone.fc.weight.dtype) + self.carry_embed.view(n, h)  # [B, k, n, H]

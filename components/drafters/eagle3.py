@@ -112,7 +112,7 @@ class Eagle3Drafter(Drafter):
         return eagle3_layer_ids(num_target_layers)
 
     @staticmethod
-    def default_num_drafts(cfg: DrafterConfig) -> int:
+    def default_num_speculative_tokens(cfg: DrafterConfig) -> int:
         return cfg.ttt_steps
 
     def sequential_passes(self, gamma: int) -> int:
@@ -158,8 +158,8 @@ class Eagle3Drafter(Drafter):
         return DraftState(state.length + t, [(k, v)], feats)
 
     def propose(self, state: DraftState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
-                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
-        gamma = num_drafts or self.num_drafts
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
+        gamma = num_speculative_tokens or self.num_speculative_tokens
         b = last_token.shape[0]
         g = (state.feats[:, -1:] if state.feats is not None
              else torch.zeros(b, 1, self.sizes.hidden_size, device=last_token.device, dtype=self.fc.weight.dtype))
@@ -183,15 +183,15 @@ class Eagle3Drafter(Drafter):
         return frozenset({Capability.BATCHED_PROPOSE})
 
     def propose_many(self, states: list[DraftState], last_tokens: Tensor,
-                     sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None = None,
+                     sampling: SamplingParams | list[SamplingParams], num_speculative_tokens: int | list[int] | None = None,
                      generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
         """``propose`` for many batch-1 states at once (the batch engine's rows): each of the γ
         steps is one layer pass over all rows, their committed K/V right-padded to the longest
-        and masked. last_tokens [R]. ``sampling`` and ``num_drafts`` are shared or one per row;
+        and masked. last_tokens [R]. ``sampling`` and ``num_speculative_tokens`` are shared or one per row;
         each row draws from its own generator (``generators``) only at its own γ steps, so its
         tokens are the ones ``propose`` would draw for it alone."""
         r, dev = len(states), last_tokens.device
-        per_row, samplings, gens = row_settings(r, sampling, num_drafts, generators, self.num_drafts)
+        per_row, samplings, gens = row_settings(r, sampling, num_speculative_tokens, generators, self.num_speculative_tokens)
         past, seen = pad_kv_rows([s.kv[0] if s.kv else None for s in states], dev)  # [R, h, W, d], [R, W]
         zeros = torch.zeros(1, 1, self.sizes.hidden_size, device=dev, dtype=self.fc.weight.dtype)
         g = torch.cat([s.feats[:, -1:] if s.feats is not None else zeros for s in states])  # [R, 1, H]

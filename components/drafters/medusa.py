@@ -66,7 +66,7 @@ class MedusaDrafter(Drafter):
         return [num_target_layers - 1]
 
     @staticmethod
-    def default_num_drafts(cfg: DrafterConfig) -> int:
+    def default_num_speculative_tokens(cfg: DrafterConfig) -> int:
         return cfg.medusa_heads
 
     def sequential_passes(self, gamma: int) -> int:
@@ -98,10 +98,10 @@ class MedusaDrafter(Drafter):
         return DraftState(state.length + tokens.shape[1], [], feats)
 
     def propose(self, state: DraftState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
-                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
         if state.feats is None:
             raise DrafterError("medusa needs at least one consumed position before proposing")
-        logits = self._heads(state.feats[:, -1], num_drafts or self.num_drafts)  # [B, γ, V]
+        logits = self._heads(state.feats[:, -1], num_speculative_tokens or self.num_speculative_tokens)  # [B, γ, V]
         tokens, probs = sample_tokens(logits, sampling, generator)
         return Proposal(tokens, logits, probs, None)
 
@@ -109,15 +109,15 @@ class MedusaDrafter(Drafter):
         return frozenset({Capability.BATCHED_PROPOSE})
 
     def propose_many(self, states: list[DraftState], last_tokens: Tensor,
-                     sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None = None,
+                     sampling: SamplingParams | list[SamplingParams], num_speculative_tokens: int | list[int] | None = None,
                      generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
         """``propose`` for many batch-1 states in one pass of the heads (the batch engine's rows):
-        ``sampling`` and ``num_drafts`` shared or one per row; each row draws from its own
+        ``sampling`` and ``num_speculative_tokens`` shared or one per row; each row draws from its own
         generator, as ``propose`` would for it alone."""
         if any(s.feats is None for s in states):
             raise DrafterError("medusa needs at least one consumed position before proposing")
         r = len(states)
-        per_row, samplings, gens = row_settings(r, sampling, num_drafts, generators, self.num_drafts)
+        per_row, samplings, gens = row_settings(r, sampling, num_speculative_tokens, generators, self.num_speculative_tokens)
         logits = self._heads(torch.cat([s.feats[:, -1] for s in states]), max(per_row))  # [R, γ, V]
         if all(is_greedy(s) for s in samplings):  # no randomness: one argmax, then each row's γ
             tokens, probs = sample_tokens(logits, samplings[0], None)

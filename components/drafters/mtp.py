@@ -88,7 +88,7 @@ class MTPDrafter(Drafter):
         return [num_target_layers - 1]
 
     @staticmethod
-    def default_num_drafts(cfg: DrafterConfig) -> int:
+    def default_num_speculative_tokens(cfg: DrafterConfig) -> int:
         return cfg.mtp_depth
 
     def sequential_passes(self, gamma: int) -> int:
@@ -103,7 +103,7 @@ class MTPDrafter(Drafter):
     def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None,
                          targets: bool = True) -> DraftTrainOutput:
         b, t = batch.input_ids.shape
-        gamma = self.num_drafts
+        gamma = self.num_speculative_tokens
         pos = torch.arange(t, device=batch.input_ids.device).expand(b, t)
         emb, g, mask = self.embed(batch.input_ids), shift_right(self._h(batch.hidden)), causal_mask(t, pos.device)
         drafts = []
@@ -134,8 +134,8 @@ class MTPDrafter(Drafter):
         return DraftState(state.length + t, kv, torch.cat([state.feats, new], 1) if state.feats is not None else new)
 
     def propose(self, state: DraftState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
-                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
-        gamma = num_drafts or self.num_drafts
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
+        gamma = num_speculative_tokens or self.num_speculative_tokens
         b, hsz = last_token.shape[0], self.sizes.hidden_size
         g = (state.feats[:, -1:, :hsz] if state.feats is not None
              else torch.zeros(b, 1, hsz, device=last_token.device, dtype=self.layers[0].eh_proj.weight.dtype))
@@ -159,14 +159,14 @@ class MTPDrafter(Drafter):
         return frozenset({Capability.BATCHED_PROPOSE})
 
     def propose_many(self, states: list[DraftState], last_tokens: Tensor,
-                     sampling: SamplingParams | list[SamplingParams], num_drafts: int | list[int] | None = None,
+                     sampling: SamplingParams | list[SamplingParams], num_speculative_tokens: int | list[int] | None = None,
                      generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
         """``propose`` for many batch-1 states at once (the batch engine's rows): each draft step
         is one module pass over all rows, each module's committed K/V right-padded to the
-        longest and masked. ``sampling`` and ``num_drafts`` shared or one per row; each row draws
+        longest and masked. ``sampling`` and ``num_speculative_tokens`` shared or one per row; each row draws
         from its own generator only at its own γ steps, as ``propose`` would for it alone."""
         r, dev, hsz = len(states), last_tokens.device, self.sizes.hidden_size
-        per_row, samplings, gens = row_settings(r, sampling, num_drafts, generators, self.num_drafts)
+        per_row, samplings, gens = row_settings(r, sampling, num_speculative_tokens, generators, self.num_speculative_tokens)
         committed = [pad_kv_rows([s.kv[m] if s.kv else None for s in states], dev) for m in range(len(self.layers))]
         zeros = torch.zeros(1, 1, hsz, device=dev, dtype=self.layers[0].eh_proj.weight.dtype)
         g = torch.cat([s.feats[:, -1:, :hsz] if s.feats is not None else zeros for s in states])  # [R, 1, H]

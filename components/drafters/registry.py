@@ -93,7 +93,12 @@ def resolve_spec(cfg: DrafterConfig, target: Any) -> DrafterSpec:
         mask_token_id=mask_id,
     )
     sizes = layer_sizes(cfg, target)
-    full = resolved(full, num_drafts=cfg.num_drafts or cls.default_num_drafts(full),
+    limit = cls.max_speculative_tokens_for(full)
+    if cfg.num_speculative_tokens is not None and not 1 <= cfg.num_speculative_tokens <= (limit or cfg.num_speculative_tokens):
+        raise DrafterError(f"drafter.num_speculative_tokens: {cfg.num_speculative_tokens} is not in 1..{limit or 'any'} "
+                           f"for drafter '{cfg.name}'" + (f" (one block of block_size {full.block_size} drafts at "
+                                                         f"most {limit})" if limit else ""))
+    full = resolved(full, num_speculative_tokens=cfg.num_speculative_tokens or cls.default_num_speculative_tokens(full),
                     intermediate_size=sizes.intermediate_size, num_heads=sizes.num_heads,
                     num_kv_heads=sizes.num_kv_heads, head_dim=sizes.head_dim)
     return DrafterSpec(full, sizes, TargetInfo.of(target))

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal
-from components.drafters.capabilities import Capability, require
+from components.drafters.capabilities import Capability, has, require
 from components.engine.cache.slab import preallocate
 from components.engine.rules import RoundRandomness, Rule, get_rule
 from components.spec.sampling import SamplingParams
@@ -60,12 +60,12 @@ class EngineDrafter(Protocol):
     """What the engine needs from a drafter (``components.drafters.base.Drafter`` has it)."""
 
     layer_ids: Sequence[int]  # target taps to capture (may be empty)
-    num_drafts: int  # default γ
+    num_speculative_tokens: int  # default γ
 
     def init_state(self, batch_size: int) -> Any: ...
     def consume(self, state: Any, tokens: Tensor, hidden: Tensor | None) -> Any: ...
     def propose(self, state: Any, last_token: Tensor, sampling: SamplingParams = ...,
-                generator: torch.Generator | None = ..., num_drafts: int | None = ...) -> Proposal: ...
+                generator: torch.Generator | None = ..., num_speculative_tokens: int | None = ...) -> Proposal: ...
     def capabilities(self) -> frozenset[Capability]: ...
 
     # Declared, not probed (``components.drafters.capabilities``): ``OWN_CONTEXT`` (``consume_own``)
@@ -142,7 +142,7 @@ def crop_cache(cache: Any, length: int) -> None:
 class SpeculativeEngine:
     """Draft-verify rounds of ``drafter`` against ``target`` under one acceptance rule."""
 
-    def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_drafts: int | None = None,
+    def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_speculative_tokens: int | None = None,
                  loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
                  preallocate: bool = True):
         """``loop_stages`` > 1 turns on DLoop multi-stage drafting: after a stage whose drafted
@@ -155,7 +155,10 @@ class SpeculativeEngine:
         self.preallocate = bool(preallocate)
         self.drafter = drafter
         self.rule: Rule = get_rule(rule)
-        self.gamma = int(num_drafts or drafter.num_drafts)
+        self.num_speculative_tokens = int(num_speculative_tokens or drafter.num_speculative_tokens)
+        if has(drafter, Capability.BLOCK_INTERNALS) and self.num_speculative_tokens > drafter.max_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: drafter '{drafter.cfg.name}' drafts "
+                             f"at most {drafter.max_speculative_tokens} per block (DLoop stages add blocks: loop_stages)")
         self.layer_ids = list(drafter.layer_ids)
         if loop_stages < 1:
             raise ValueError(f"loop_stages must be >= 1, got {loop_stages}")
@@ -186,8 +189,8 @@ class SpeculativeEngine:
         state, last, start = seq.draft_state, seq.last_token, seq.length
         props, drafts = [], []
         while True:
-            g = min(self.gamma, gamma - sum(d.shape[1] for d in drafts))
-            prop = self.drafter.propose(state, last, self.rule.draft_sampling(rnd), rnd.generator, num_drafts=g)
+            g = min(self.num_speculative_tokens, gamma - sum(d.shape[1] for d in drafts))
+            prop = self.drafter.propose(state, last, self.rule.draft_sampling(rnd), rnd.generator, num_speculative_tokens=g)
             picked = self.rule.pick_drafts(prop, _positions(start, g, last.device), rnd)
             props.append(prop)
             drafts.append(picked)
@@ -226,7 +229,7 @@ class SpeculativeEngine:
         carried = 0
         if self.carryover and hidden is not None:
             # [1, carried, n, H]: the rejected d_{m+1}.. (m = a accepted), at positions committed..
-            rejected = hidden[:, a + 1:a + 1 + self.gamma]
+            rejected = hidden[:, a + 1:a + 1 + self.num_speculative_tokens]
             carried = rejected.shape[1]
             if carried:
                 state = self.drafter.with_carry(state, rejected, committed)
@@ -242,7 +245,7 @@ class SpeculativeEngine:
     def round(self, seq: SequenceState, remaining: int, rnd: RoundRandomness, res: GenerationResult) -> SequenceState:
         """One draft-verify-accept round, timed into ``res``."""
         dev = seq.last_token.device
-        gamma = max(1, min(self.gamma * self.loop_stages, remaining - 1))  # a round emits up to γ+1 tokens
+        gamma = max(1, min(self.num_speculative_tokens * self.loop_stages, remaining - 1))  # a round emits up to γ+1 tokens
         carried = seq.carry_rows
         t0 = time.perf_counter()
         prop, drafts = self.draft(seq, gamma, rnd)

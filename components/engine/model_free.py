@@ -49,9 +49,9 @@ class TokenDrafter:
 
     layer_ids: tuple[int, ...] = ()  # no target taps: these drafters read token ids only
 
-    def __init__(self, vocab_size: int, num_drafts: int, device: torch.device | str = "cpu"):
+    def __init__(self, vocab_size: int, num_speculative_tokens: int, device: torch.device | str = "cpu"):
         self.vocab_size = vocab_size
-        self.num_drafts = num_drafts
+        self.num_speculative_tokens = num_speculative_tokens
         self.device = torch.device(device)
 
     def capabilities(self) -> frozenset[Capability]:
@@ -74,13 +74,13 @@ class TokenDrafter:
 class OracleDrafter(TokenDrafter):
     """Proposes ``reference[n : n+γ]`` where n is the position after ``last_token``."""
 
-    def __init__(self, reference: list[int], vocab_size: int, num_drafts: int, device: torch.device | str = "cpu"):
-        super().__init__(vocab_size, num_drafts, device)
+    def __init__(self, reference: list[int], vocab_size: int, num_speculative_tokens: int, device: torch.device | str = "cpu"):
+        super().__init__(vocab_size, num_speculative_tokens, device)
         self.reference = list(reference)  # the whole expected sequence, prompt included
 
     def propose(self, state: TokenState, last_token: Tensor, sampling: SamplingParams | None = None,
-                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
-        gamma, n = num_drafts or self.num_drafts, state.length + 1
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
+        gamma, n = num_speculative_tokens or self.num_speculative_tokens, state.length + 1
         tokens = (self.reference[n : n + gamma] + [0] * gamma)[:gamma]
         return one_hot_proposal(tokens, self.vocab_size, self.device)
 
@@ -88,13 +88,13 @@ class OracleDrafter(TokenDrafter):
 class PromptLookupDrafter(TokenDrafter):
     """n-gram lookup over the context (longest n first, ``max_ngram`` down to 1)."""
 
-    def __init__(self, vocab_size: int, num_drafts: int, max_ngram: int = 3, device: torch.device | str = "cpu"):
-        super().__init__(vocab_size, num_drafts, device)
+    def __init__(self, vocab_size: int, num_speculative_tokens: int, max_ngram: int = 3, device: torch.device | str = "cpu"):
+        super().__init__(vocab_size, num_speculative_tokens, device)
         self.max_ngram = max_ngram
 
     def propose(self, state: TokenState, last_token: Tensor, sampling: SamplingParams | None = None,
-                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
-        gamma = num_drafts or self.num_drafts
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
+        gamma = num_speculative_tokens or self.num_speculative_tokens
         context = state.tokens + [int(last_token[0])]
         follow = lookup(context, self.max_ngram, gamma)
         tokens = (follow + [context[-1]] * gamma)[:gamma]  # no match at all: repeat the last token
@@ -131,15 +131,15 @@ def _follow(context: list[int], max_ngram: int) -> list[int]:
 class TargetDrafter(TokenDrafter):
     """Drafts γ tokens with the target (no cache: recomputes the context; tests only)."""
 
-    def __init__(self, target: Any, num_drafts: int, temperature: float | None = None):
-        super().__init__(target.vocab_size, num_drafts, target.device)
+    def __init__(self, target: Any, num_speculative_tokens: int, temperature: float | None = None):
+        super().__init__(target.vocab_size, num_speculative_tokens, target.device)
         self.target = target
         self.temperature = temperature  # None: the engine's sampling settings
 
     @torch.no_grad()
     def propose(self, state: TokenState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
-                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
-        gamma = num_drafts or self.num_drafts
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
+        gamma = num_speculative_tokens or self.num_speculative_tokens
         if self.temperature is not None:
             sampling = SamplingParams(temperature=self.temperature)
         ids = torch.tensor([state.tokens + [int(last_token[0])]], dtype=torch.long, device=self.device)

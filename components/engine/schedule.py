@@ -112,7 +112,7 @@ def profile_forward_time(target: Any, sizes: tuple[int, ...] = DEFAULT_PROFILE_S
 
 class DraftLengthPolicy(Protocol):
     """What the batch engine asks of a draft-length policy, once per round: ``cap`` before
-    drafting (survival [B, ≥max_drafts] per speculating row; ``remaining`` tokens per row when
+    drafting (survival [B, ≥max_cap] per speculating row; ``remaining`` tokens per row when
     nothing waits to join), ``observe`` after the round; ``empirical_survival`` for rows
     without fresh confidences; ``calibrate``: whether rows' estimates should be scaled by their
     own record of accepted against predicted drafts."""
@@ -121,7 +121,7 @@ class DraftLengthPolicy(Protocol):
 
     def empirical_survival(self, gamma: int) -> Tensor: ...
 
-    def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int: ...
+    def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int: ...
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
                 round_seconds: float, verify_tokens: int) -> None: ...
@@ -135,8 +135,8 @@ class FixedDraftLength:
     def empirical_survival(self, gamma: int) -> Tensor:  # [γ] unused: the cap is always γ
         return torch.ones(gamma, dtype=torch.float64)
 
-    def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int:  # survival [B, γ]
-        return max_drafts
+    def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int:  # survival [B, γ]
+        return max_cap
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
                 round_seconds: float, verify_tokens: int) -> None:
@@ -207,30 +207,30 @@ class AdaptiveDraftLength:
         cond[:, :k] = (cond[:, :k] * ratio).clamp(0, 1)
         return cond.cumprod(dim=-1)
 
-    def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int:
-        """survival [B, ≥max_drafts] → the cap G in 0..max_drafts with the best tokens/second;
+    def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int:
+        """survival [B, ≥max_cap] → the cap G in 0..max_cap with the best tokens/second;
         with ``remaining`` (tokens left per row, given when no request waits to join), the
         shortest expected time to finish every row instead (module docstring: draining)."""
-        raw = survival[:, :max_drafts].double().clamp(0, 1).cummin(dim=-1).values
+        raw = survival[:, :max_cap].double().clamp(0, 1).cummin(dim=-1).values
         a = self.calibrated(raw)
         bsz = a.shape[0]
         if remaining is None:
             gained = torch.cat([torch.zeros(1, dtype=torch.float64), a.sum(dim=0).cumsum(dim=0)])  # [G+1]
-            rates = (bsz + gained) / self._priced(bsz, max_drafts)  # [G+1] tokens per second
+            rates = (bsz + gained) / self._priced(bsz, max_cap)  # [G+1] tokens per second
         else:
-            rates = 1.0 / self._drain_seconds(a, remaining, max_drafts)  # [G+1] batches finished per second
+            rates = 1.0 / self._drain_seconds(a, remaining, max_cap)  # [G+1] batches finished per second
         choice = self._explore(bsz, rates) if self.calibrate else int(rates.argmax())
         self.last_choice = choice
         self._last = ((bsz, choice), raw)
         return choice
 
-    def _priced(self, bsz: int, max_drafts: int) -> Tensor:
-        """[max_drafts + 1] a round's seconds at batch ``bsz`` per cap, as the policy believes
+    def _priced(self, bsz: int, max_cap: int) -> Tensor:
+        """[max_cap + 1] a round's seconds at batch ``bsz`` per cap, as the policy believes
         them: the model's, checked against the clock when calibrating (``_seconds``)."""
-        seconds = self._round_model(bsz, max_drafts)
+        seconds = self._round_model(bsz, max_cap)
         return self._seconds(bsz, seconds) if self.calibrate else seconds
 
-    def _drain_seconds(self, survival: Tensor, remaining: list[int], max_drafts: int) -> Tensor:
+    def _drain_seconds(self, survival: Tensor, remaining: list[int], max_cap: int) -> Tensor:
         """survival [B, G], tokens left per row → [G+1] expected seconds until every row is
         done if the cap stayed G (module docstring: draining)."""
         left = torch.tensor(remaining, dtype=torch.float64).clamp_min(1)  # [B]
@@ -238,15 +238,15 @@ class AdaptiveDraftLength:
         ordered = rounds.sort(dim=0).values  # each column: rows' expected ends, soonest first
         steps = torch.diff(ordered, dim=0, prepend=torch.zeros(1, ordered.shape[1], dtype=torch.float64))
         bsz = survival.shape[0]
-        running = torch.stack([self._priced(b, max_drafts) for b in range(bsz, 0, -1)])  # [B, G+1]
+        running = torch.stack([self._priced(b, max_cap) for b in range(bsz, 0, -1)])  # [B, G+1]
         return (steps * running).sum(dim=0)
 
-    def _round_model(self, bsz: int, max_drafts: int) -> Tensor:
-        """[max_drafts + 1] the model's round seconds at batch ``bsz`` per cap: the profiled
+    def _round_model(self, bsz: int, max_cap: int) -> Tensor:
+        """[max_cap + 1] the model's round seconds at batch ``bsz`` per cap: the profiled
         round times when given, else s·T(B·(G+1)) + o + [G > 0]·t_draft."""
         if self.round_time is not None:
-            return self.round_time.row(bsz, max_drafts)
-        caps = torch.arange(max_drafts + 1, dtype=torch.float64)
+            return self.round_time.row(bsz, max_cap)
+        caps = torch.arange(max_cap + 1, dtype=torch.float64)
         return self._model_seconds(self.forward_time(bsz * (caps + 1)), (caps > 0).double())
 
     def _model_seconds(self, forward: Any, drafting: Any) -> Any:

@@ -67,7 +67,7 @@ class TreeEngine:
     """Rounds with a DDTree of up to ``budget`` nodes in place of a chain; the prefill is that of
     a ``SpeculativeEngine`` of the same rule (``chain``)."""
 
-    def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_drafts: int | None = None,
+    def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_speculative_tokens: int | None = None,
                  budget: int = 16, builder: str = "ddtree", top_m: int = 8, preallocate: bool = True):
         """``builder``: ``ddtree`` (per-depth marginals) or ``causal`` (DominoTree: children scored
         on their own path by the drafter's ``causal_tree_head``, among the top-``top_m`` tokens)."""
@@ -81,9 +81,9 @@ class TreeEngine:
         if builder == "causal":
             require(drafter, "tree engine builder 'causal'", Capability.CAUSAL_TREE_HEAD,
                     hint="e.g. DSpark with markov_head linear/rnn has it; else use builder 'ddtree'")
-        self.chain = SpeculativeEngine(target, drafter, rule, num_drafts, preallocate=preallocate)
+        self.chain = SpeculativeEngine(target, drafter, rule, num_speculative_tokens, preallocate=preallocate)
         self.target, self.drafter, self.rule = target, drafter, self.chain.rule
-        self.gamma, self.layer_ids = self.chain.gamma, self.chain.layer_ids
+        self.num_speculative_tokens, self.layer_ids = self.chain.num_speculative_tokens, self.chain.layer_ids
         self.budget, self.builder, self.top_m = int(budget), builder, int(top_m)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = DEFAULT_SAMPLING,
@@ -98,7 +98,7 @@ class TreeEngine:
     def draft_tree(self, seq: SequenceState, depth: int, rnd: RoundRandomness) -> TokenTree:
         """The DDTree of the drafter's γ-slot distributions (≤ ``budget`` nodes, depth ≤ ``depth``)."""
         prop = self.drafter.propose(seq.draft_state, seq.last_token, self.rule.draft_sampling(rnd), rnd.generator,
-                                    num_drafts=depth)
+                                    num_speculative_tokens=depth)
         shaping = rnd.sampling if rnd.sampling.temperature > 0 else SamplingParams()  # greedy: raw softmax
         log_q = log_probs_from_logits(prop.logits[0].float(), shaping)  # [γ, V]
         if self.builder == "causal" and prop.states is not None:
@@ -145,7 +145,7 @@ class TreeEngine:
     def round(self, seq: SequenceState, remaining: int, rnd: RoundRandomness, res: GenerationResult) -> SequenceState:
         """One draft-verify-accept round with a tree, timed into ``res``."""
         dev = seq.last_token.device
-        depth = max(1, min(self.gamma, remaining - 1))
+        depth = max(1, min(self.num_speculative_tokens, remaining - 1))
         t0 = time.perf_counter()
         tree = self.draft_tree(seq, depth, rnd)
         sync_device(dev)

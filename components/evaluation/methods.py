@@ -64,8 +64,8 @@ def target_only(ctx: EvalContext) -> MethodFn:
 
 
 def _engine_method(ctx: EvalContext, name: str, drafter: Any, gamma: int | None, **loop: Any) -> MethodFn:
-    engine = SpeculativeEngine(ctx.target, drafter, rule=ctx.ev.rule, num_drafts=gamma, **loop)
-    ctx.notes[name] = {"num_drafts": engine.gamma, "rule": ctx.ev.rule, **loop}
+    engine = SpeculativeEngine(ctx.target, drafter, rule=ctx.ev.rule, num_speculative_tokens=gamma, **loop)
+    ctx.notes[name] = {"num_speculative_tokens": engine.num_speculative_tokens, "rule": ctx.ev.rule, **loop}
 
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
         return _from_engine(name, engine.generate(ids, n, ctx.sampling, seed), drafting=True)
@@ -89,7 +89,7 @@ def _trained(ctx: EvalContext, method: str) -> Any:
 
 
 def drafter(ctx: EvalContext) -> MethodFn:
-    run = _engine_method(ctx, "drafter", _trained(ctx, "drafter"), ctx.ev.num_drafts, carryover=ctx.ev.carryover)
+    run = _engine_method(ctx, "drafter", _trained(ctx, "drafter"), ctx.ev.num_speculative_tokens, carryover=ctx.ev.carryover)
     ctx.notes["drafter"]["parameters"] = int(ctx.drafter.num_parameters())
     return run
 
@@ -98,7 +98,7 @@ def drafter_dloop(ctx: EvalContext) -> MethodFn:
     """The trained drafter with DLoop multi-stage drafting (several blocks per verification)."""
     if ctx.ev.loop_stages < 2:
         raise ConfigError(f"eval.loop_stages: drafter_dloop needs at least 2 (got {ctx.ev.loop_stages})")
-    return _engine_method(ctx, "drafter_dloop", _trained(ctx, "drafter_dloop"), ctx.ev.num_drafts,
+    return _engine_method(ctx, "drafter_dloop", _trained(ctx, "drafter_dloop"), ctx.ev.num_speculative_tokens,
                           loop_stages=ctx.ev.loop_stages, loop_gate=ctx.ev.loop_gate, carryover=ctx.ev.carryover)
 
 
@@ -115,11 +115,11 @@ def drafter_tree(ctx: EvalContext) -> MethodFn:
         _require(trained, "eval.tree_builder", "causal token trees", Capability.CAUSAL_TREE_HEAD,
                  "Use eval.tree_builder=ddtree")
     try:
-        engine = TreeEngine(ctx.target, trained, ev.rule, ev.num_drafts, budget=ev.tree_budget,
+        engine = TreeEngine(ctx.target, trained, ev.rule, ev.num_speculative_tokens, budget=ev.tree_budget,
                             builder=ev.tree_builder)
     except ValueError as err:
         raise ConfigError(f"eval.tree_builder: {err}") from err
-    ctx.notes["drafter_tree"] = {"num_drafts": engine.gamma, "rule": ev.rule, "budget": ev.tree_budget,
+    ctx.notes["drafter_tree"] = {"num_speculative_tokens": engine.num_speculative_tokens, "rule": ev.rule, "budget": ev.tree_budget,
                                  "builder": ev.tree_builder}
 
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
@@ -129,9 +129,9 @@ def drafter_tree(ctx: EvalContext) -> MethodFn:
 
 def prompt_lookup(ctx: EvalContext) -> MethodFn:
     ev = ctx.ev
-    lookup = PromptLookupDrafter(ctx.target.vocab_size, ev.lookup_num_drafts, ev.lookup_max_ngram,
+    lookup = PromptLookupDrafter(ctx.target.vocab_size, ev.lookup_num_speculative_tokens, ev.lookup_max_ngram,
                                  device=ctx.target.device)
-    run = _engine_method(ctx, "prompt_lookup", lookup, ev.lookup_num_drafts)
+    run = _engine_method(ctx, "prompt_lookup", lookup, ev.lookup_num_speculative_tokens)
     ctx.notes["prompt_lookup"]["max_ngram"] = ev.lookup_max_ngram
     return run
 
@@ -144,11 +144,11 @@ def hf_plain(ctx: EvalContext) -> MethodFn:
 
 def hf_prompt_lookup(ctx: EvalContext) -> MethodFn:
     ev = ctx.ev
-    ctx.notes["hf_prompt_lookup"] = {"num_drafts": ev.lookup_num_drafts, "max_ngram": ev.lookup_max_ngram}
+    ctx.notes["hf_prompt_lookup"] = {"num_speculative_tokens": ev.lookup_num_speculative_tokens, "max_ngram": ev.lookup_max_ngram}
 
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
         return hf_generate(ctx.target.model, ids, n, ev.temperature, seed, method="hf_prompt_lookup",
-                           prompt_lookup_num_tokens=ev.lookup_num_drafts,
+                           prompt_lookup_num_tokens=ev.lookup_num_speculative_tokens,
                            max_matching_ngram_size=ev.lookup_max_ngram)
     return run
 
@@ -206,7 +206,7 @@ def check_methods(ev: EvalConfig) -> list[str]:
     if ev.rule == "greedy" and ev.temperature > 0:
         raise ConfigError("eval.temperature: > 0 needs a sampling rule (eval.rule=speculative|block|gumbel); "
                           "the greedy rule ignores it")
-    for key in ("num_prompts", "max_new_tokens", "lookup_num_drafts", "lookup_max_ngram", "vllm_draft_tokens"):
+    for key in ("num_prompts", "max_new_tokens", "lookup_num_speculative_tokens", "lookup_max_ngram", "vllm_num_speculative_tokens"):
         if getattr(ev, key) < 1:
             raise ConfigError(f"eval.{key}: must be at least 1 (got {getattr(ev, key)})")
     if any(METHODS[m].in_vllm for m in ev.methods):

@@ -137,7 +137,7 @@ def compare_with_engine(ctx: EvalContext, methods: dict[str, Method], runs: dict
     for name, method in methods.items():
         twin = method.engine_twin
         if twin and name in runs and twin in runs:
-            gamma = ctx.notes.get(twin, {}).get("num_drafts") or ctx.notes[name]["num_speculative_tokens"]
+            gamma = ctx.notes.get(twin, {}).get("num_speculative_tokens") or ctx.notes[name]["num_speculative_tokens"]
             ctx.notes[name]["vs_engine"] = compare_drafter(runs[twin], runs[name], gamma)
 
 

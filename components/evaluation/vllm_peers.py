@@ -3,12 +3,12 @@
 Methods (opt-in, ``eval.methods``), each a vLLM ``speculative_config`` on the same target:
 
 * ``vllm_generate``    -- the target alone (the vLLM baseline: ``speedup_vs_vllm_generate``);
-* ``vllm_ngram``       -- vLLM's n-gram prompt lookup (γ = ``eval.lookup_num_drafts``, n-grams
+* ``vllm_ngram``       -- vLLM's n-gram prompt lookup (γ = ``eval.lookup_num_speculative_tokens``, n-grams
   1..``eval.lookup_max_ngram``, as our ``prompt_lookup``);
 * ``vllm_suffix``      -- suffix decoding (needs the ``arctic-inference`` package in the vLLM
   environment; without it vLLM's own error is reported as the reason it is unavailable);
 * ``vllm_draft_model`` -- the small assistant LM that ``hf_assisted`` uses, as vLLM's draft
-  model (``eval.vllm_draft_tokens`` drafts per step);
+  model (``eval.vllm_num_speculative_tokens`` drafts per step);
 * ``vllm_drafter``     -- our trained drafter, exported with ``components.export.vllm`` (the
   speculators layout, else the native one) into a temporary directory; γ as our ``drafter``
   method's. vLLM's CPU runner refuses DSpark: that (and any other refusal) makes the method
@@ -98,7 +98,7 @@ def target_alone(ctx: EvalContext, workdir: Path) -> None:
 
 def ngram(ctx: EvalContext, workdir: Path) -> dict[str, Any]:
     """``vllm_ngram``: as our ``prompt_lookup`` (γ, n-grams 1..max)."""
-    return {"method": "ngram", "num_speculative_tokens": ctx.ev.lookup_num_drafts,
+    return {"method": "ngram", "num_speculative_tokens": ctx.ev.lookup_num_speculative_tokens,
             "prompt_lookup_max": ctx.ev.lookup_max_ngram, "prompt_lookup_min": 1}
 
 
@@ -113,7 +113,7 @@ def draft_model(ctx: EvalContext, workdir: Path) -> dict[str, Any]:
         raise ConfigError("eval.assistant: method 'vllm_draft_model' needs the assistant LM (the one "
                           "hf_assisted uses); set eval.assistant (or drop vllm_draft_model)")
     return {"method": "draft_model", "model": str(ctx.assistant_path),
-            "num_speculative_tokens": ctx.ev.vllm_draft_tokens}
+            "num_speculative_tokens": ctx.ev.vllm_num_speculative_tokens}
 
 
 def exported_drafter(ctx: EvalContext, workdir: Path) -> dict[str, Any]:
@@ -127,7 +127,7 @@ def exported_drafter(ctx: EvalContext, workdir: Path) -> dict[str, Any]:
         except ExportError:
             if layout == LAYOUTS[-1]:
                 raise
-    gamma = ctx.ev.num_drafts or drafter.num_drafts
+    gamma = ctx.ev.num_speculative_tokens or drafter.num_speculative_tokens
     ctx.notes["vllm_drafter"] = {"drafter": drafter.registry_name, "export_layout": layout,
                                  "num_speculative_tokens": gamma,
                                  **({"carryover": "exported without carryover"} if ctx.ev.carryover else {})}

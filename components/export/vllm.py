@@ -89,7 +89,7 @@ def speculators_config(drafter: Drafter, target: Any, algorithm: str) -> dict[st
     return {
         "algorithm": algorithm,
         "default_proposal_method": "greedy",
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafter.num_drafts}],
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafter.num_speculative_tokens}],
         "verifier": {"name_or_path": drafter.spec.target.name_or_path,
                      "architectures": list(target.model.config.architectures or [])},
     }
@@ -215,7 +215,7 @@ def vllm_export(drafter: Drafter, target: Any, layout: str = "speculators") -> t
 
 def export_vllm(drafter: Drafter, target: Any, path: str | Path, layout: str = "speculators") -> Path:
     """Writes the drafter as a directory vLLM loads with ``speculative_config={"method":
-    vllm_method(drafter), "model": path, "num_speculative_tokens": drafter.num_drafts}``."""
+    vllm_method(drafter), "model": path, "num_speculative_tokens": drafter.num_speculative_tokens}``."""
     config, tensors = vllm_export(drafter, target, layout)
     return write_dir(path, config, tensors)
 

@@ -13,7 +13,7 @@ DSpark mix), `onpolicy` (Draft-OPD's two streams), `weights` (decay, D-PACE), `r
 
 from components.losses.block import bv_loss, bv_prefix_terms, e2e_tv_loss
 from components.losses.common import LossInputs, LossOutput
-from components.losses.confidence import confidence_loss, confidence_terms, dspark_loss
+from components.losses.confidence import confidence_loss, confidence_terms, tv_ce_confidence_loss
 from components.losses.divergences import (
     acceptance_rate,
     ce_loss,
@@ -53,7 +53,7 @@ __all__ = [
     "confidence_terms",
     "decay_weights",
     "dpace_weights",
-    "dspark_loss",
+    "tv_ce_confidence_loss",
     "e2e_tv_loss",
     "greedy_accepted",
     "kl_loss",

@@ -75,7 +75,7 @@ def _check_confidence_shape(confidence_logits: Tensor, mask: Tensor) -> None:
         )
 
 
-def dspark_loss(
+def tv_ce_confidence_loss(
     target_logits: Tensor,  # [N, γ, V]
     draft_logits: Tensor,  # [N, γ, V] (Markov-corrected, if the drafter has a Markov head)
     *,

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from components.losses.block import bv_loss, e2e_tv_loss
 from components.losses.common import LossInputs, LossOutput, valid_mask
-from components.losses.confidence import confidence_loss, dspark_loss
+from components.losses.confidence import confidence_loss, tv_ce_confidence_loss
 from components.losses.divergences import (
     acceptance_rate,
     ce_loss,
@@ -48,7 +48,7 @@ LOSSES: dict[str, LossFn] = {
     "lk_likelihood": lk_likelihood_loss,
     "e2e_tv": e2e_tv_loss,
     "bv": bv_loss,
-    "dspark": dspark_loss,
+    "tv_ce_confidence": tv_ce_confidence_loss,
     "confidence": confidence_loss,
     "opd": opd_loss,
 }

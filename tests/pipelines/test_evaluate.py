@@ -15,7 +15,7 @@ from components.config import ConfigError, DrafterConfig, EvalConfig, SpeclineCo
 from components.tracking import Tracker
 from pipelines import evaluate, full
 
-EVAL = EvalConfig(num_prompts=2, max_new_tokens=10, lookup_num_drafts=4, threads=1)
+EVAL = EvalConfig(num_prompts=2, max_new_tokens=10, lookup_num_speculative_tokens=4, threads=1)
 
 
 @pytest.fixture(scope="module")

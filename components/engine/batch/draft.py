@@ -53,10 +53,10 @@ class Drafting:
     """Caps, drafts and drafter updates of the batch's rows, for ``BatchEngine``."""
 
     def __init__(self, drafter: Any, engines: dict[str, SpeculativeEngine], policy: DraftLengthPolicy,
-                 max_drafts: int):
+                 max_cap: int):
         """``engines``: a chain engine per rule (drafting as the rule picks its tokens)."""
         self.drafter, self.engines, self.policy = drafter, engines, policy
-        self.max_drafts = max_drafts
+        self.max_cap = max_cap
         self.batched = drafter is not None and has(drafter, Capability.BATCHED_PROPOSE)
         self.caps: list[int] = []  # the cap chosen each round (speculating rows only)
         self.defer_plain_updates = True  # plain rounds of speculating rows defer the drafter's update
@@ -169,19 +169,19 @@ class Drafting:
     def _cap(self, rows: list[Row], draining: bool) -> int:
         """This round's draft cap from the policy, over the rows that speculate."""
         rows = [r for r in rows if r.speculates]
-        if not rows or self.max_drafts == 0:
+        if not rows or self.max_cap == 0:
             return 0
         if isinstance(self.policy, FixedDraftLength):
-            return self.max_drafts
-        fallback = self.policy.empirical_survival(self.max_drafts)
-        survival = torch.stack([self._row_estimate(r, fallback) for r in rows])  # [B', max_drafts]
+            return self.max_cap
+        fallback = self.policy.empirical_survival(self.max_cap)
+        survival = torch.stack([self._row_estimate(r, fallback) for r in rows])  # [B', max_cap]
         # draining: the batch's time is that of its last row
         remaining = [r.remaining for r in rows] if draining else None
-        cap = self.policy.cap(survival, self.max_drafts, remaining=remaining)
+        cap = self.policy.cap(survival, self.max_cap, remaining=remaining)
         self.caps.append(cap)
         return cap
 
-    def _row_estimate(self, row: Row, fallback: Tensor) -> Tensor:  # → [max_drafts] float64
+    def _row_estimate(self, row: Row, fallback: Tensor) -> Tensor:  # → [max_cap] float64
         """A row's survival: its latest confidences (already scaled by its record), extended
         past their length by the acceptance seen over all rows; without fresh confidences
         (after a plain round), that acceptance alone, scaled by the row's own record."""

@@ -58,7 +58,7 @@ from components.engine.schedule import DraftLengthPolicy, FixedDraftLength
 class BatchEngine:
     """Continuous-batching speculative decoding of ``drafter`` (or plain decoding) on ``target``."""
 
-    def __init__(self, target: Any, drafter: EngineDrafter | None = None, num_drafts: int | None = None,
+    def __init__(self, target: Any, drafter: EngineDrafter | None = None, num_speculative_tokens: int | None = None,
                  loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
                  max_batch_size: int = 16, compact_at: float = 0.5,
                  draft_length: DraftLengthPolicy | None = None, preallocate: bool = True,
@@ -78,11 +78,11 @@ class BatchEngine:
         self.layer_ids: list[int] = list(drafter.layer_ids) if drafter is not None else []
         engines: dict[str, SpeculativeEngine] = {}
         if drafter is not None:  # one per rule: draft() picks tokens the rule's way
-            engines = {name: SpeculativeEngine(target, drafter, name, num_drafts, loop_stages, loop_gate,
+            engines = {name: SpeculativeEngine(target, drafter, name, num_speculative_tokens, loop_stages, loop_gate,
                                                carryover, preallocate) for name in RULES}
         any_engine = next(iter(engines.values()), None)
-        self.gamma = any_engine.gamma if any_engine else 0
-        self.max_drafts = self.gamma * (any_engine.loop_stages if any_engine else 1)
+        self.num_speculative_tokens = any_engine.num_speculative_tokens if any_engine else 0
+        self.max_cap = self.num_speculative_tokens * (any_engine.loop_stages if any_engine else 1)
         self.carryover = bool(carryover)
         self.draft_length = draft_length or FixedDraftLength()
         self.waiting: deque[Request] = deque()
@@ -90,8 +90,8 @@ class BatchEngine:
         self.stats = EngineStats()
         self._cancelled: set[str] = set()
         self.admission = Admission(target, drafter, self.layer_ids, self.preallocate)
-        self.drafting = Drafting(drafter, engines, self.draft_length, self.max_drafts)
-        self.trees = TreeRounds(target, drafter, self.gamma, int(tree_budget), tree_builder, loop_stages,
+        self.drafting = Drafting(drafter, engines, self.draft_length, self.max_cap)
+        self.trees = TreeRounds(target, drafter, self.num_speculative_tokens, int(tree_budget), tree_builder, loop_stages,
                                 carryover, self.preallocate)
 
     # ------------------------------------------------------------------ requests
@@ -184,7 +184,7 @@ class BatchEngine:
         """One target forward over every row's [x_{n-1}, drafts, padding] → logits [B, G+1, V],
         hidden [B, G+1, n, H] (or None), seconds."""
         rows, dev = self.batch.rows, self.target.device
-        width = 1 + max(r.num_drafts for r in rows)
+        width = 1 + max(r.num_speculative_tokens for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
         for b, row in enumerate(rows):
             ids[b, 0] = row.seq.last_token[0]
@@ -240,7 +240,7 @@ class BatchEngine:
             mine = logits if len(idx) == len(rows) else logits[torch.tensor(idx, device=dev)]
             drafts = torch.nn.utils.rnn.pad_sequence(  # [R, G'] (padding never read past a row's length)
                 [rows[b].drafts[0] if rows[b].drafts is not None else empty for b in idx], batch_first=True)
-            lens = torch.tensor([rows[b].num_drafts for b in idx], dtype=torch.long, device=dev)
+            lens = torch.tensor([rows[b].num_speculative_tokens for b in idx], dtype=torch.long, device=dev)
             res = rule.verify_rows(drafts, lens, mine[:, :drafts.shape[1] + 1])
             for j, (b, a) in enumerate(zip(idx, res.num_accepted.tolist())):
                 verdicts[b] = (a, res.next_token[j:j + 1])
@@ -264,7 +264,7 @@ class BatchEngine:
         drafted = [] if row.drafts is None else row.drafts[0, :a].tolist()
         carried = 0
         if state is not None and self.carryover and hidden is not None and row.drafts is not None:
-            rejected = hidden[:, a + 1:1 + row.drafts.shape[1]][:, :self.gamma]  # [1, carried, n, H]
+            rejected = hidden[:, a + 1:1 + row.drafts.shape[1]][:, :self.num_speculative_tokens]  # [1, carried, n, H]
             carried = rejected.shape[1]
             if carried:
                 state = self.drafter.with_carry(state, rejected, seq.length + a)

@@ -101,8 +101,8 @@ class _PinnedCap:
     def empirical_survival(self, gamma: int) -> Tensor:
         return torch.ones(gamma, dtype=torch.float64)
 
-    def cap(self, survival: Tensor, max_drafts: int, remaining: list[int] | None = None) -> int:
-        return min(self.value, max_drafts)
+    def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int:
+        return min(self.value, max_cap)
 
     def observe(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -121,8 +121,8 @@ def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = 
     for bsz in sorted({int(b) for b in batch_sizes}):
         pinned = _PinnedCap()
         engine = BatchEngine(target, drafter, max_batch_size=bsz, draft_length=pinned, **engine_kwargs)
-        caps = range(engine.max_drafts + 1)
-        budget = len(caps) * (rounds + 1) * (engine.max_drafts + 1) + 2  # no request ends early
+        caps = range(engine.max_cap + 1)
+        budget = len(caps) * (rounds + 1) * (engine.max_cap + 1) + 2  # no request ends early
         for _ in range(bsz):
             prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
             engine.add(Request(prompt, budget))
@@ -153,7 +153,7 @@ def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], engine_kw
     params = sum(p.numel() for p in drafter.parameters()) if isinstance(drafter, nn.Module) else 0  # model-free: 0
     engine = BatchEngine(target, drafter, **{k: v for k, v in engine_kwargs.items() if k not in _PROFILER_ARGS})
     return {"target": str(getattr(target, "name_or_path", type(target).__name__)),
-            "drafter": f"{type(drafter).__name__}:{params}:{engine.max_drafts}",
+            "drafter": f"{type(drafter).__name__}:{params}:{engine.max_cap}",
             "batch_sizes": sorted({int(b) for b in batch_sizes}),
             "engine": {k: repr(v) for k, v in sorted(engine_kwargs.items())},
             "kv_cache": "preallocated" if engine.preallocate else "dynamic", "device": str(target.device),

@@ -100,7 +100,7 @@ class Row:
         return self.seq.draft_state is not None
 
     @property
-    def num_drafts(self) -> int:
+    def num_speculative_tokens(self) -> int:
         return 0 if self.drafts is None else self.drafts.shape[1]
 
     def finish(self, reason: str) -> GenerationResult:

@@ -119,7 +119,7 @@ class CarryoverObjective(Objective):
         d.eval()
         try:
             t = batch.input_ids.shape[1]
-            gamma = d.block_drafts
+            gamma = d.max_speculative_tokens
             context = d.target_context(batch.hidden)
             drafts = torch.zeros(*anchors.shape, gamma, dtype=torch.long, device=anchors.device)
             for lo in range(0, anchors.shape[1], self.params.chunk):
@@ -148,7 +148,7 @@ class CarryoverObjective(Objective):
         [x_0..x_{a+m}, d_{m+1}..d_γ]."""
         target = self.context.target
         d = self.drafter
-        gamma, n = d.block_drafts, len(d.layer_ids)
+        gamma, n = d.max_speculative_tokens, len(d.layer_ids)
         b, a_count = first.anchors.shape
         hidden_size = batch.hidden.shape[-1]
         out = torch.zeros(b, a_count, gamma, n, hidden_size, dtype=d.backbone.fc.weight.dtype,

@@ -70,7 +70,7 @@ class DLoopObjective(Objective):
         """(teacher-forced output, block states z [B, A, bs, H]) of stages 1..depth at anchors [B, A]."""
         d = self.drafter
         b, t = batch.input_ids.shape
-        dev, gamma = anchors.device, d.block_drafts
+        dev, gamma = anchors.device, d.max_speculative_tokens
         target_ctx = d.target_context(batch.hidden)
         base_visible = torch.arange(t, device=dev).view(1, 1, -1) < anchors.clamp_min(0).unsqueeze(-1)  # [B, A, T]
         z = d.block_states(batch.input_ids, anchors, target_ctx, base_visible)

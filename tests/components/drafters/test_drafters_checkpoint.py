@@ -42,7 +42,7 @@ def test_config_json_fields(tiny_target, dr, tmp_path):
     assert raw["target_model_id"] == tiny_target.name_or_path
     assert raw["target_tokenizer_hash"] == tiny_target.tokenizer_hash
     assert (raw["target_hidden_size"], raw["target_vocab_size"], raw["num_target_layers"]) == (64, 512, 4)
-    assert (raw["num_layers"], raw["block_size"], raw["num_drafts"], raw["sample_from_anchor"]) == (2, 5, 5, True)
+    assert (raw["num_layers"], raw["block_size"], raw["num_speculative_tokens"], raw["sample_from_anchor"]) == (2, 5, 5, True)
     assert (raw["num_heads"], raw["num_kv_heads"], raw["head_dim"], raw["intermediate_size"]) == (2, 1, 32, 128)
     assert raw["rope_theta"] > 0 and raw["rms_norm_eps"] > 0
     tensors = load_file(str(tmp_path / "d" / "model.safetensors"))

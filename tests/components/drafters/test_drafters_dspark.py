@@ -23,16 +23,16 @@ def test_whole_block_from_one_backbone_pass(tiny_target, ids, dr, name):
     state = d.consume(d.init_state(2), ids[:, :10], run.hidden[:, :10])
     calls, layer_calls = count_calls(d.backbone), count_calls(d.backbone.layers[0])
     prop = d.propose(state, ids[:, 10], SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
-    assert prop.tokens.shape[1] == d.num_drafts and calls[0] == 1 and layer_calls[0] == 1
+    assert prop.tokens.shape[1] == d.num_speculative_tokens and calls[0] == 1 and layer_calls[0] == 1
     d.training_forward(run.batch(), torch.Generator().manual_seed(0))  # all anchors at once
     assert calls[0] == 2 and layer_calls[0] == 2
-    assert d.sequential_passes(d.num_drafts) == 1 and d.sequential_passes(d.num_drafts + 1) == 2
+    assert d.sequential_passes(d.num_speculative_tokens) == 1 and d.sequential_passes(d.num_speculative_tokens + 1) == 2
 
 
 def test_layouts(tiny_target, dr):
-    assert dr.make(tiny_target, "dspark", block_size=7).num_drafts == 7  # slot k -> anchor+k+1
-    assert dr.make(tiny_target, "dflash", block_size=7).num_drafts == 6  # slots 1.. -> anchor+k
-    assert dr.make(tiny_target, "dflash", block_size=7, sample_from_anchor=True).num_drafts == 7
+    assert dr.make(tiny_target, "dspark", block_size=7).num_speculative_tokens == 7  # slot k -> anchor+k+1
+    assert dr.make(tiny_target, "dflash", block_size=7).num_speculative_tokens == 6  # slots 1.. -> anchor+k
+    assert dr.make(tiny_target, "dflash", block_size=7, sample_from_anchor=True).num_speculative_tokens == 7
 
 
 @pytest.mark.parametrize("head", ["linear", "rnn", "none"])

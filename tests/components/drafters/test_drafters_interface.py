@@ -44,7 +44,7 @@ def test_training_forward_shapes(tiny_target, ids, name, dr):
     d = dr.make(tiny_target, name)
     out = d.training_forward(dr.run(tiny_target, d, ids).batch(), torch.Generator().manual_seed(0))
     n, gamma, v = out.draft_logits.shape
-    assert gamma == d.num_drafts and v == tiny_target.vocab_size
+    assert gamma == d.num_speculative_tokens and v == tiny_target.vocab_size
     assert out.draft_logits.dtype == torch.float32 and out.draft_logits.requires_grad
     assert out.target_logits.shape == (n, gamma, v) and not out.target_logits.requires_grad
     assert out.target_tokens.shape == (n, gamma) and out.target_tokens.dtype == torch.long
@@ -61,7 +61,7 @@ def test_proposal_shapes_and_parameters(tiny_target, ids, name, dr):
     state = d.consume(d.init_state(2), ids[:, :-1], run.hidden[:, :-1])
     assert state.length == ids.shape[1] - 1
     prop = d.propose(state, ids[:, -1], SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
-    gamma = d.num_drafts
+    gamma = d.num_speculative_tokens
     assert prop.tokens.shape == (2, gamma) and prop.tokens.dtype == torch.long
     assert prop.probs.shape == (2, gamma, tiny_target.vocab_size)
     torch.testing.assert_close(prop.probs.sum(-1), torch.ones(2, gamma))
@@ -132,3 +132,10 @@ def test_layer_ids_resolve_in_one_place():
     assert resolve_layer_ids(DrafterConfig(), 8) == [1, 2, 3, 4, 5]
     with pytest.raises(DrafterError, match=r"drafter.layer_ids \[0, 9\]: \[9\] out of range .* 8 layers"):
         resolve_layer_ids(DrafterConfig(layer_ids=[0, 9]), 8)
+
+
+def test_num_speculative_tokens_past_the_block_is_refused_at_build(tiny_target, dr):
+    assert dr.make(tiny_target, "dflash", block_size=4).num_speculative_tokens == 3  # anchor slot is no draft
+    with pytest.raises(DrafterError, match=r"drafter.num_speculative_tokens: 5 is not in 1..4 .*block_size 4"):
+        dr.make(tiny_target, "dspark", block_size=4, num_speculative_tokens=5)
+    assert dr.make(tiny_target, "eagle3", num_speculative_tokens=9).num_speculative_tokens == 9  # no block bound

@@ -34,7 +34,7 @@ def test_propose_many_equals_propose_per_row(tiny_target, name, extra):
     greedy = SamplingParams(temperature=0.0)
     for got, state, tok, g in zip(drafter.propose_many(states, torch.tensor(last), greedy, gammas), states, last,
                                   gammas):
-        want = drafter.propose(state, torch.tensor([tok]), greedy, num_drafts=g)
+        want = drafter.propose(state, torch.tensor([tok]), greedy, num_speculative_tokens=g)
         assert got.tokens.tolist() == want.tokens.tolist() and got.tokens.shape == (1, g)
         torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
     samplings = [SamplingParams(temperature=t) for t in (1.0, 0.0, 0.7, 1.3)]

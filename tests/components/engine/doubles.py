@@ -78,9 +78,9 @@ class ScriptedDrafter(TokenDrafter):
     context is: right, or each token plus one (``wrong``: the first draft is always rejected);
     ``confidence``: the confidence head's P(draft k accepted | prefix accepted), every slot."""
 
-    def __init__(self, references: list[list[int]], vocab_size: int, num_drafts: int,
+    def __init__(self, references: list[list[int]], vocab_size: int, num_speculative_tokens: int,
                  confidence: float | None = None, wrong: bool = False):
-        super().__init__(vocab_size, num_drafts)
+        super().__init__(vocab_size, num_speculative_tokens)
         self.references = [list(r) for r in references]
         self.confidence, self.wrong = confidence, wrong
 
@@ -90,8 +90,8 @@ class ScriptedDrafter(TokenDrafter):
         return (ref[len(context):len(context) + gamma] + [0] * gamma)[:gamma]
 
     def propose(self, state: TokenState, last_token: Tensor, sampling: Any = None,
-                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
-        gamma = num_drafts or self.num_drafts
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
+        gamma = num_speculative_tokens or self.num_speculative_tokens
         tokens = self.continuation(state, last_token, gamma)
         if self.wrong:
             tokens = [(t + 1) % self.vocab_size for t in tokens]
@@ -105,8 +105,8 @@ class SecondGuessDrafter(ScriptedDrafter):
     """Per slot k, q = 0.6 on (right_k + 1), 0.4 on right_k, ~0 elsewhere (right: the reference)."""
 
     def propose(self, state: TokenState, last_token: Tensor, sampling: Any = None,
-                generator: torch.Generator | None = None, num_drafts: int | None = None) -> Proposal:
-        gamma = num_drafts or self.num_drafts
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
+        gamma = num_speculative_tokens or self.num_speculative_tokens
         right = torch.tensor([self.continuation(state, last_token, gamma)], device=self.device)  # [1, γ]
         probs = torch.full((1, gamma, self.vocab_size), 1e-9, device=self.device)
         probs.scatter_(2, ((right + 1) % self.vocab_size)[..., None], 0.6)

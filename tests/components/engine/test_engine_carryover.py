@@ -46,7 +46,7 @@ def test_carryover_greedy_lossless(tiny_target, references, name):
     for prompt, ref in zip(prompts(tiny_target), references):
         out = engine.generate(prompt, MAX_NEW)
         assert out.tokens == ref and out.target_forwards == out.rounds + 1
-        assert out.carried == expected_carried(out, drafter.num_drafts)
+        assert out.carried == expected_carried(out, drafter.num_speculative_tokens)
         carried += sum(out.carried)
     assert carried > 0  # carry rows were read
 
@@ -61,15 +61,15 @@ def test_carryover_with_dloop_greedy_lossless(tiny_target, references, name):
     for prompt, ref in zip(prompts(tiny_target), references):
         out = engine.generate(prompt, MAX_NEW)
         assert out.tokens == ref and out.target_forwards == out.rounds + 1
-        assert out.carried == expected_carried(out, drafter.num_drafts)  # capped at one block
-        looped |= max(out.drafted) > drafter.num_drafts
+        assert out.carried == expected_carried(out, drafter.num_speculative_tokens)  # capped at one block
+        looped |= max(out.drafted) > drafter.num_speculative_tokens
         carried += sum(out.carried)
     assert looped and carried > 0
 
 
 def _reference_second_block(obj, batch: DraftBatch, anchor: int, drafts, m: int, monkeypatch):
     """The objective's rejected states H_rej [γ-m, n, H] and second-block draft states [γ, H]."""
-    d, gamma = obj.drafter, obj.drafter.block_drafts
+    d, gamma = obj.drafter, obj.drafter.max_speculative_tokens
     first = FirstDraft(torch.tensor([[anchor]]), drafts.view(1, 1, gamma), torch.tensor([[m]]),
                        torch.tensor([[gamma]]), torch.tensor([[anchor + m + 1]]), torch.tensor([[gamma - m]]))
     h_rej = obj.verify(batch, first)  # [1, 1, γ, n, H]
@@ -83,10 +83,10 @@ def _reference_second_block(obj, batch: DraftBatch, anchor: int, drafts, m: int,
 def test_next_proposal_equals_the_objectives_second_block(tiny_target, name, monkeypatch):
     """Rows at a+m+1..a+γ (verify-hidden m+1..γ), re-draft anchored at a+m+1, as trained."""
     drafter = carry_drafter(tiny_target, name, markov_rank=8)
-    loss = build_loss("dspark" if name == "dspark" else "kl")
+    loss = build_loss("tv_ce_confidence" if name == "dspark" else "kl")
     obj = build_objective("carryover", drafter, loss, {}, ObjectiveContext(tiny_target))
     engine = SpeculativeEngine(tiny_target, drafter, rule="greedy", carryover=True)
-    gamma, rounds = drafter.block_drafts, []
+    gamma, rounds = drafter.max_speculative_tokens, []
 
     def recording_accept(seq, drafts, result, hidden, cache, accept=engine.accept):
         new = accept(seq, drafts, result, hidden, cache)
@@ -131,7 +131,7 @@ def test_carry_lasts_one_round(tiny_target):
                     drafter.with_carry(carried, torch.zeros(1, 0, n, h), state.length)):
         assert dropped.carry is None and dropped.carry_rows == 0
     with pytest.raises(DrafterError, match="bounded by one block"):
-        drafter.with_carry(state, torch.randn(1, drafter.block_drafts + 1, n, h), state.length)
+        drafter.with_carry(state, torch.randn(1, drafter.max_speculative_tokens + 1, n, h), state.length)
 
 
 def test_refuses_drafters_without_carryover(tiny_target):

@@ -33,7 +33,7 @@ def test_dloop_greedy_lossless(tiny_target, references, name, gate):
     for prompt, ref in zip(prompts(tiny_target), references):
         out = engine.generate(prompt, MAX_NEW)
         assert out.tokens == ref and out.target_forwards == out.rounds + 1
-        looped |= max(out.drafted) > drafter.num_drafts
+        looped |= max(out.drafted) > drafter.num_speculative_tokens
     if gate == float("-inf"):
         assert looped  # the gate never stops: rounds draft 3 blocks (budget permitting)
 
@@ -42,7 +42,7 @@ def test_dloop_gate_zero_never_loops_a_random_drafter(tiny_target):
     torch.manual_seed(0)
     drafter = build_drafter(DrafterConfig(name="dspark", num_layers=1, block_size=4), tiny_target).eval()
     out = SpeculativeEngine(tiny_target, drafter, loop_stages=3, loop_gate=0.0).generate(prompts(tiny_target)[0], 12)
-    assert max(out.drafted) <= drafter.num_drafts  # Σ log q < 0 for any non-degenerate q
+    assert max(out.drafted) <= drafter.num_speculative_tokens  # Σ log q < 0 for any non-degenerate q
 
 
 class LoopingFixedQ(FixedQDrafter):
@@ -51,8 +51,8 @@ class LoopingFixedQ(FixedQDrafter):
     def capabilities(self) -> frozenset[Capability]:
         return frozenset({Capability.OWN_CONTEXT})
 
-    def propose(self, state, last_token, sampling=None, generator=None, num_drafts=None) -> Proposal:
-        prop = super().propose(state, last_token, sampling, generator, num_drafts)
+    def propose(self, state, last_token, sampling=None, generator=None, num_speculative_tokens=None) -> Proposal:
+        prop = super().propose(state, last_token, sampling, generator, num_speculative_tokens)
         prop.states = torch.zeros(1, prop.tokens.shape[1], 1)
         return prop
 

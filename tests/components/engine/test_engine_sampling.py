@@ -87,12 +87,12 @@ def chi_square_p_value(counts: dict[tuple, int], expected: dict[tuple, float], n
 class FixedQDrafter(TokenDrafter):
     """Samples every draft from one fixed q [V] (no network: the test's cost is the target's)."""
 
-    def __init__(self, q: torch.Tensor, num_drafts: int):
-        super().__init__(q.shape[0], num_drafts)
+    def __init__(self, q: torch.Tensor, num_speculative_tokens: int):
+        super().__init__(q.shape[0], num_speculative_tokens)
         self.q = q
 
-    def propose(self, state, last_token, sampling=None, generator=None, num_drafts=None) -> Proposal:
-        gamma = num_drafts or self.num_drafts
+    def propose(self, state, last_token, sampling=None, generator=None, num_speculative_tokens=None) -> Proposal:
+        gamma = num_speculative_tokens or self.num_speculative_tokens
         probs = self.q.expand(1, gamma, -1)  # [1, γ, V]
         tokens = torch.multinomial(probs[0], 1, generator=generator).view(1, gamma)
         return Proposal(tokens, probs.log(), probs, None)

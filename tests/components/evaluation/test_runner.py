@@ -19,7 +19,7 @@ ALL = ["target_only", "drafter", "drafter_dloop", "prompt_lookup", "hf_generate"
 
 
 def _ctx(tiny_target, tiny_target_build, drafter_path, **ev) -> EvalContext:
-    cfg = EvalConfig(max_new_tokens=NEW, lookup_num_drafts=4, warmup=False, **ev)
+    cfg = EvalConfig(max_new_tokens=NEW, lookup_num_speculative_tokens=4, warmup=False, **ev)
     # The assistant only has to share the tokenizer: the fixture target itself, loaded again.
     return EvalContext(tiny_target, cfg, drafter=load_drafter(drafter_path, tiny_target).eval(),
                        assistant=load_assistant(str(tiny_target_build[0]), tiny_target))
@@ -35,7 +35,7 @@ def test_all_methods_greedy_lossless_with_speedups(tiny_target, tiny_target_buil
         assert s.speedup == pytest.approx(s.tokens_per_s / report.summaries["target_only"].tokens_per_s)
     assert report.summaries["target_only"].tau == 1.0 and report.summaries["drafter"].rounds > 0
     assert report.summaries["hf_assisted"].speedup_vs_hf_generate is not None
-    assert report.summaries["drafter"].extra["num_drafts"] == 4  # block_size 4 DSpark
+    assert report.summaries["drafter"].extra["num_speculative_tokens"] == 4  # block_size 4 DSpark
     assert report.summaries["drafter_dloop"].extra["loop_stages"] == 3
     # the assistant is the target itself: every draft it proposes is accepted
     assisted = report.summaries["hf_assisted"]

@@ -66,12 +66,12 @@ def _drafter(name: str, tiny_target, seed: int, **cfg):
 
 
 def _ev(**kw) -> EvalConfig:
-    return EvalConfig(max_new_tokens=NEW, lookup_num_drafts=4, warmup=False, vllm_python=str(VLLM_PYTHON), **kw)
+    return EvalConfig(max_new_tokens=NEW, lookup_num_speculative_tokens=4, warmup=False, vllm_python=str(VLLM_PYTHON), **kw)
 
 
 def test_plan_builds_each_methods_config_from_its_registry_entry(tiny_target):
     """No vLLM needed: the plan only checks that a Python is there and prepares the configs."""
-    ev = EvalConfig(methods=list(VLLM_METHODS), lookup_num_drafts=4, vllm_draft_tokens=2, vllm_python=sys.executable)
+    ev = EvalConfig(methods=list(VLLM_METHODS), lookup_num_speculative_tokens=4, vllm_num_speculative_tokens=2, vllm_python=sys.executable)
     ctx = EvalContext(tiny_target, ev, drafter=_drafter("dflash", tiny_target, 0, num_layers=1),
                       assistant_path="/some/assistant")
     plan = plan_vllm(ctx, {n: METHODS[n] for n in VLLM_METHODS})
@@ -128,7 +128,7 @@ def test_vllm_plain_ngram_and_exported_drafter(tiny_target, eval_prompt_list):
     cmp = report.notes["vllm_drafter"]["vs_engine"]
     assert cmp["engine_tau"] == pytest.approx(report.summaries["drafter"].tau)
     assert cmp["vllm_tau"] == pytest.approx(report.summaries["vllm_drafter"].tau)
-    assert report.notes["vllm_drafter"]["num_speculative_tokens"] == report.notes["drafter"]["num_drafts"] == 3
+    assert report.notes["vllm_drafter"]["num_speculative_tokens"] == report.notes["drafter"]["num_speculative_tokens"] == 3
 
 
 @pytest.mark.vllm

@@ -77,7 +77,7 @@ def test_block_speculators(tiny_target, name):
     assert config["aux_hidden_state_layer_ids"] == [1, 2, 3]  # HF hidden_states indices; vLLM subtracts 1
     assert config["mask_token_id"] == tiny_target.tokenizer.mask_token_id
     assert config["block_size"] == 5 and config["sample_from_anchor"] is (name == "dspark")
-    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == d.num_drafts
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == d.num_speculative_tokens
     assert config["transformer_layer_config"]["num_hidden_layers"] == 2
     assert config["transformer_layer_config"]["model_type"] == "qwen3"
     layers = {f"layers.{i}.{k}" for i in range(2) for k in LAYER + ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]}

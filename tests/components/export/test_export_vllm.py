@@ -63,7 +63,7 @@ def vllm_results(tiny_target, tiny_target_build, tmp_path_factory):
         path = export_vllm(d, tiny_target, out / eid, layout=layout)
         drafters[eid] = d
         args += ["--drafter-export", str(path), "--method", vllm_method(d),
-                 "--num-speculative-tokens", str(d.num_drafts)]
+                 "--num-speculative-tokens", str(d.num_speculative_tokens)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2")
     proc = subprocess.run(args, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("VLLM_CHECK_JSON ")]
@@ -85,7 +85,7 @@ def test_vllm_loads_and_is_lossless(vllm_results, eid):
     assert len(w["placed"]) + len(w["ignored_by_design"]) == w["export_tensors"]
     assert run["outputs_equal"], (run.get("outputs"), report["reference"])
     acc = run["acceptance"]
-    assert acc["num_drafts"] > 0 and acc["num_draft_tokens"] == acc["num_drafts"] * drafters[eid].num_drafts
+    assert acc["num_speculative_tokens"] > 0 and acc["num_draft_tokens"] == acc["num_speculative_tokens"] * drafters[eid].num_speculative_tokens
     assert 0 <= acc["num_accepted_tokens"] <= acc["num_draft_tokens"]
 
 
@@ -104,7 +104,7 @@ def test_dspark_parsed_and_loaded_but_refused_on_cpu(vllm_results, eid):
     assert "load_only_error" not in run, run
     parsed = run["parsed"]
     assert parsed["method"] == "dspark" and parsed["architectures"] == ["Qwen3DSparkModel"]
-    assert parsed["num_speculative_tokens"] == d.num_drafts
+    assert parsed["num_speculative_tokens"] == d.num_speculative_tokens
     assert parsed["aux_layer_ids"] == [i + 1 for i in d.layer_ids]  # vLLM captures the input of layer i+1
     assert parsed["markov_rank"] == d.cfg.markov_rank and parsed["enable_confidence_head"] is True
     w = run["weights"]

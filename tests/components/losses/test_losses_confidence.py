@@ -26,7 +26,7 @@ def test_confidence_gradient_pulls_sigmoid_towards_acceptance(batch):
 
 def test_confidence_target_is_detached_inside_dspark(batch):
     """The BCE term alone must send no gradient into the draft logits."""
-    only_conf = L.dspark_loss(
+    only_conf = L.tv_ce_confidence_loss(
         batch.target,
         batch.draft,
         target_tokens=batch.tokens,
@@ -40,7 +40,7 @@ def test_confidence_target_is_detached_inside_dspark(batch):
 
 def test_dspark_is_the_weighted_sum_of_its_terms(batch):
     kw = {"valid": batch.valid, "weights": batch.weights}
-    out = L.dspark_loss(
+    out = L.tv_ce_confidence_loss(
         batch.target, batch.draft, target_tokens=batch.tokens, confidence_logits=batch.conf, **kw
     )
     ce = L.ce_loss(batch.target, batch.draft, target_tokens=batch.tokens, **kw).loss
@@ -50,7 +50,7 @@ def test_dspark_is_the_weighted_sum_of_its_terms(batch):
     torch.testing.assert_close(out.terms["ce"], ce.detach())
     torch.testing.assert_close(out.terms["tv"], tv.detach())
     torch.testing.assert_close(out.terms["confidence"], conf.detach())
-    l1 = L.dspark_loss(
+    l1 = L.tv_ce_confidence_loss(
         batch.target,
         batch.draft,
         target_tokens=batch.tokens,
@@ -64,17 +64,17 @@ def test_dspark_is_the_weighted_sum_of_its_terms(batch):
 def test_dspark_required_inputs():
     b_target, b_draft = torch.randn(2, 3, 5), torch.randn(2, 3, 5)
     with pytest.raises(ValueError, match="confidence_logits"):
-        L.dspark_loss(b_target, b_draft, target_tokens=torch.zeros(2, 3, dtype=torch.long))
+        L.tv_ce_confidence_loss(b_target, b_draft, target_tokens=torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="target_tokens"):
-        L.dspark_loss(b_target, b_draft, confidence_weight=0.0)
-    out = L.dspark_loss(b_target, b_draft, ce_weight=0.0, confidence_weight=0.0)
+        L.tv_ce_confidence_loss(b_target, b_draft, confidence_weight=0.0)
+    out = L.tv_ce_confidence_loss(b_target, b_draft, ce_weight=0.0, confidence_weight=0.0)
     torch.testing.assert_close(out.loss, 0.9 * L.tv_loss(b_target, b_draft).loss)
     with pytest.raises(ValueError, match="confidence logits"):
-        L.dspark_loss(b_target, b_draft, ce_weight=0.0, confidence_logits=torch.zeros(2, 4))
+        L.tv_ce_confidence_loss(b_target, b_draft, ce_weight=0.0, confidence_logits=torch.zeros(2, 4))
 
 
 def test_dspark_masked_positions_contribute_nothing(batch):
-    out = L.dspark_loss(
+    out = L.tv_ce_confidence_loss(
         batch.target,
         batch.draft,
         target_tokens=batch.tokens,

@@ -32,8 +32,8 @@ def impl_and_ref(name, b, ref, weights, temperature):
     if name == "bv":
         ours = L.bv_loss(b.target, b.draft, target_tokens=b.tokens, **kw).loss
         return ours, ref.bv(b.target, b.draft, b.tokens, b.valid, weights, temperature)
-    assert name == "dspark"
-    ours = L.dspark_loss(
+    assert name == "tv_ce_confidence"
+    ours = L.tv_ce_confidence_loss(
         b.target,
         b.draft,
         target_tokens=b.tokens,
@@ -44,19 +44,19 @@ def impl_and_ref(name, b, ref, weights, temperature):
     return ours, ref.dspark(b.target, b.draft, b.tokens, b.conf, b.valid, weights)
 
 
-NAMES = [*PER_TOKEN, "lk_hybrid_block", "e2e_tv", "bv", "dspark"]
+NAMES = [*PER_TOKEN, "lk_hybrid_block", "e2e_tv", "bv", "tv_ce_confidence"]
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("use_weights,temperature", [(False, 1.0), (True, 0.7)])
 def test_value_and_gradient_match_reference(name, use_weights, temperature, batch, ref):
-    if name == "dspark":
+    if name == "tv_ce_confidence":
         temperature = 1.0
     weights = batch.weights if use_weights else None
     ours, theirs = impl_and_ref(name, batch, ref, weights, temperature)
     assert ours.dtype == torch.float64
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
-    inputs = (batch.draft, batch.conf) if name == "dspark" else (batch.draft,)
+    inputs = (batch.draft, batch.conf) if name == "tv_ce_confidence" else (batch.draft,)
     g_ours = torch.autograd.grad(ours, inputs)
     g_ref = torch.autograd.grad(theirs, inputs)
     for a, b in zip(g_ours, g_ref, strict=True):

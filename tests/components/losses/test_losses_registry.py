@@ -19,7 +19,7 @@ def full_inputs(b, **overrides):
     return L.LossInputs(**fields)
 
 
-EXPECTED = {"ce", "kl", "tv", "lk_hybrid", "lk_likelihood", "e2e_tv", "bv", "dspark", "confidence", "opd"}
+EXPECTED = {"ce", "kl", "tv", "lk_hybrid", "lk_likelihood", "e2e_tv", "bv", "tv_ce_confidence", "confidence", "opd"}
 
 
 def test_registry_holds_the_documented_names():

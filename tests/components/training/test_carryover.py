@@ -25,7 +25,7 @@ DRAFTERS = {
     "dspark": DrafterConfig(name="dspark", block_size=4, num_anchors=8, markov_rank=8, num_layers=2),
     "dflash": DrafterConfig(name="dflash", block_size=4, num_anchors=8, num_layers=2),
 }
-LOSSES = {"dspark": "dspark", "dflash": "kl"}  # each drafter's usual loss (DFlash has no confidence head)
+LOSSES = {"dspark": "tv_ce_confidence", "dflash": "kl"}  # each drafter's usual loss (DFlash has no confidence head)
 ANCHORS = [4, 9, 12, 6]  # the first two are planted (see _planted_batch)
 
 
@@ -64,7 +64,7 @@ def test_first_draft_is_free_running_and_verification_is_the_target_on_the_branc
     obj = _objective(tiny_target, drafter, chunk=3, verify_chunk=2)
     batch = _planted_batch(drafter, records)
     first = obj.first_draft(batch, batch.anchors)
-    gamma = drafter.block_drafts
+    gamma = drafter.max_speculative_tokens
     for row in range(batch.input_ids.shape[0]):
         for i, a in enumerate(ANCHORS):  # the drafts are what the engine protocol proposes
             state = drafter.consume(drafter.init_state(1), batch.input_ids[row:row + 1, :a], batch.hidden[row:row + 1, :a])
@@ -101,7 +101,7 @@ def test_masked_carryover_rows_change_nothing_and_real_rows_only_their_own_block
     batch = collate(records)
     anchors2 = torch.tensor([[5, 8, 11], [4, 9, -1], [6, 7, 13]])
     b, a = anchors2.shape
-    width, n, h = drafter.block_drafts, len(drafter.layer_ids), batch.hidden.shape[-1]
+    width, n, h = drafter.max_speculative_tokens, len(drafter.layer_ids), batch.hidden.shape[-1]
     carry = torch.randn(b, a, width, n, h)
     rows = torch.zeros(b, a, dtype=torch.long)
     with torch.no_grad():
@@ -128,7 +128,7 @@ def test_objective_trains_descends_its_loss_and_reaches_carry_embed(name, tiny_t
     assert drafter.carry_embed.grad is not None and drafter.carry_embed.grad.abs().sum() > 0
     assert drafter.backbone.fc.weight.grad.abs().sum() > 0
     assert {"carry_first_accepted", "carry_fraction", "carry_rows", "carry_blocks"} <= set(out.terms)
-    assert 0 < float(out.terms["carry_fraction"]) <= 1 and 1 <= float(out.terms["carry_rows"]) <= drafter.block_drafts
+    assert 0 < float(out.terms["carry_fraction"]) <= 1 and 1 <= float(out.terms["carry_rows"]) <= drafter.max_speculative_tokens
     drafter.zero_grad()
 
     state = new_train_state(drafter, TrainConfig(lr=3e-3, warmup_steps=1), 10, seed=1, objective=obj)

@@ -30,7 +30,7 @@ def records(tiny_target):
 def _objective(name, target, **params):
     torch.manual_seed(2)
     drafter = build_drafter(DRAFTERS[name], target).eval()
-    return build_objective("dloop", drafter, build_loss("dspark" if name == "dspark" else "kl"), params,
+    return build_objective("dloop", drafter, build_loss("tv_ce_confidence" if name == "dspark" else "kl"), params,
                            ObjectiveContext(target))
 
 
@@ -40,7 +40,7 @@ def test_stage_states_equal_the_inference_loop(name, tiny_target, records):
     the anchor tokens of later stages are the recorded ones (i.e. earlier drafts were right)."""
     objective = _objective(name, tiny_target)
     d, batch = objective.drafter, collate(records[:1])
-    a, gamma = 5, objective.drafter.block_drafts
+    a, gamma = 5, objective.drafter.max_speculative_tokens
     with torch.no_grad():
         stages = objective.stage_outputs(batch, torch.tensor([[a, 9]]), depth=3)
         state = d.consume(d.init_state(1), batch.input_ids[:, :a], batch.hidden[:, :a])
@@ -64,7 +64,7 @@ def test_dloop_objective_descends_its_loss_and_reads_own_states(tiny_target, rec
     with torch.no_grad():
         both = objective.stage_outputs(batch, torch.tensor([[4, 9], [4, 9]]), depth=3)[2][0].draft_logits
         alone = objective.stage_outputs(batch, torch.tensor([[4, -1], [4, -1]]), depth=3)[2][0].draft_logits
-    gamma = objective.drafter.block_drafts
+    gamma = objective.drafter.max_speculative_tokens
     torch.testing.assert_close(both.view(2, 2, gamma, -1)[:, 0], alone.view(2, 2, gamma, -1)[:, 0])
 
 

@@ -35,8 +35,8 @@ def _free_running_rounds(drafter, batch, row: int) -> tuple[list[int], list[int]
     anchors, accepted = [], []
     while a < t - 1:
         state = drafter.consume(drafter.init_state(1), ids[:, :a], hidden[:, :a])
-        gamma = min(drafter.num_drafts, t - 1 - a)
-        prop = drafter.propose(state, ids[:, a], GREEDY, num_drafts=drafter.num_drafts)
+        gamma = min(drafter.num_speculative_tokens, t - 1 - a)
+        prop = drafter.propose(state, ids[:, a], GREEDY, num_speculative_tokens=drafter.num_speculative_tokens)
         m = 0
         while m < gamma and int(prop.tokens[0, m]) == int(ids[0, a + 1 + m]):
             m += 1
@@ -75,7 +75,7 @@ def test_simulated_rounds_equal_free_running_greedy_drafting(name, tiny_target, 
         anchors, accepted = _free_running_rounds(drafter, batch, row)
         assert rounds.anchors[row] == anchors and rounds.accepted[row] == accepted, (row, rounds, anchors, accepted)
     assert sum(map(sum, rounds.accepted)) >= 6  # the planted drafts were accepted
-    assert rounds.tau() > 1.0 and 0 < rounds.position_acceptance(drafter.num_drafts)[0] <= 1
+    assert rounds.tau() > 1.0 and 0 < rounds.position_acceptance(drafter.num_speculative_tokens)[0] <= 1
 
 
 def test_anchor_tensor_pads_and_subsamples():
@@ -116,7 +116,7 @@ def test_opd_objective_trains_every_drafter_kind(name, tiny_target, records):
 def test_chain_resolves_losses_and_overrides_and_names_mistakes():
     tc = TrainConfig(objectives=["offline", "opd"], per_objective={"opd": {"lr": 1e-4, "max_anchors": 4}})
     offline, opd = resolve_chain(tc)
-    assert (offline.train.loss, offline.train.lr, offline.run_name) == ("dspark", tc.lr, "offline")
+    assert (offline.train.loss, offline.train.lr, offline.run_name) == ("tv_ce_confidence", tc.lr, "offline")
     assert (opd.train.loss, opd.train.lr, opd.params["max_anchors"], opd.run_name) == ("opd", 1e-4, 4, "opd")
     assert resolve_chain(dataclasses.replace(tc, run_name="x"))[1].run_name == "x-opd"
     bad = {

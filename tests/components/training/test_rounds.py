@@ -108,6 +108,6 @@ def test_rounds_extend_and_evaluation_merge_batches(tiny_target, records):
     assert merged.tau() == pytest.approx((3 + 3) / 3)
     torch.manual_seed(2)
     drafter = build_drafter(DRAFTERS["dspark"], tiny_target)
-    ev = evaluate_records(drafter, build_loss("dspark"), records, batch_size=2)
+    ev = evaluate_records(drafter, build_loss("tv_ce_confidence"), records, batch_size=2)
     whole = simulate_rounds(drafter, collate(records[:2])).extend(simulate_rounds(drafter, collate(records[2:])))
     assert ev["sim_tau"] == pytest.approx(whole.tau()) and ev["rounds"] == sum(map(len, whole.accepted))

@@ -84,7 +84,7 @@ def test_propose_many_equals_propose_per_row(tiny_target, name):
     greedy = SamplingParams(temperature=0.0)
     many = drafter.propose_many(states, torch.tensor(last), greedy, 3)
     for state, tok, got in zip(states, last, many):
-        want = drafter.propose(state, torch.tensor([tok]), greedy, num_drafts=3)
+        want = drafter.propose(state, torch.tensor([tok]), greedy, num_speculative_tokens=3)
         assert got.tokens.tolist() == want.tokens.tolist()
         torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got.states, want.states, atol=1e-4, rtol=1e-4)

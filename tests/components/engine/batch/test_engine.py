@@ -155,7 +155,7 @@ def test_adaptive_draft_length_is_lossless_and_shrinks_under_load(tiny_target, g
     refs = [r.prompt_ids + ref for r, ref in zip(requests(tiny_target), greedy_refs)]
     scripted = ScriptedDrafter(refs, tiny_target.vocab_size, 4, confidence=0.9)
     for drafter, want_zero in ((random_drafter(tiny_target, "dspark"), True), (scripted, False)):
-        caps, sizes = BatchEngine(tiny_target, drafter).max_drafts + 1, [1, 2, 4, 8, 16]
+        caps, sizes = BatchEngine(tiny_target, drafter).max_cap + 1, [1, 2, 4, 8, 16]
         seconds = [[float(b * (g + 1)) if want_zero else 1.0 for g in range(caps)] for b in sizes]
         policy = AdaptiveDraftLength(round_time=RoundTimes(sizes, torch.tensor(seconds)), calibrate=False)
         engine = BatchEngine(tiny_target, drafter, draft_length=policy)  # the model alone (test_schedule: calibrated)
@@ -164,7 +164,7 @@ def test_adaptive_draft_length_is_lossless_and_shrinks_under_load(tiny_target, g
         assert engine.caps and (max(engine.caps) == 0) == want_zero
         if not want_zero:  # a free verify pass: always draft fully, except past the last row's end
             # (draining, drafts beyond a row's last token are worth nothing: the cap follows it down)
-            assert engine.caps.count(engine.max_drafts) >= len(engine.caps) - 2
+            assert engine.caps.count(engine.max_cap) >= len(engine.caps) - 2
 
 
 class ScriptedCap:
@@ -178,9 +178,9 @@ class ScriptedCap:
     def empirical_survival(self, gamma):
         return torch.ones(gamma, dtype=torch.float64)
 
-    def cap(self, survival, max_drafts, remaining=None):
+    def cap(self, survival, max_cap, remaining=None):
         self.i += 1
-        return min(self.caps[(self.i - 1) % len(self.caps)], max_drafts)
+        return min(self.caps[(self.i - 1) % len(self.caps)], max_cap)
 
     def observe(self, *args, **kwargs):
         pass
@@ -192,9 +192,9 @@ def test_policy_sees_rows_left_tokens_only_when_nothing_waits(tiny_target, greed
     seen = []
 
     class Recording(ScriptedCap):
-        def cap(self, survival, max_drafts, remaining=None):
+        def cap(self, survival, max_cap, remaining=None):
             seen.append((bool(engine.waiting), remaining, survival.shape[0]))
-            return super().cap(survival, max_drafts)
+            return super().cap(survival, max_cap)
 
     engine = BatchEngine(tiny_target, random_drafter(tiny_target, "dspark"), max_batch_size=3,
                          draft_length=Recording([3]))

@@ -16,7 +16,7 @@ from tests.components.engine.test_schedule import GAMMA, run_rounds
 def test_profile_covers_every_batch_size_and_cap(tiny_target):
     drafter = random_drafter(tiny_target, "dspark")
     table = profile_round_times(tiny_target, drafter, batch_sizes=(3, 1), context=8, rounds=1)
-    caps = BatchEngine(tiny_target, drafter).max_drafts + 1
+    caps = BatchEngine(tiny_target, drafter).max_cap + 1
     assert table.batch_sizes == [1, 3] and tuple(table.seconds.shape) == (2, caps)
     assert bool((table.seconds > 0).all())
     with pytest.raises(ValueError, match="needs a drafter"):
