@@ -1,6 +1,6 @@
 """Continuous batching: many requests share each target verification pass.
 
-* ``engine``     -- ``BatchEngine``: ``add``/``cancel``/``step``; one ``step`` is admit → draft →
+* ``continuous`` -- ``BatchEngine``: ``add``/``cancel``/``step``; one ``step`` is admit → draft →
   verify (one target forward over every row) → accept, the hot loop on one screen;
 * ``state``      -- the records its collaborators receive: ``Request``, ``StepOutput``, ``Row``
   (one admitted request), ``Batch`` (the rows and their ragged cache);
@@ -17,7 +17,7 @@ Knows the batch-1 engine's steps (``engine.engine``), the rules, the KV caches a
 draft-length policy; nothing about tokenization, HTTP or drafter families.
 """
 
-from components.engine.batch.engine import BatchEngine
+from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.profile import RoundTimes, profile_round_times, stored_round_times
 from components.engine.batch.state import Batch, Request, Row, StepOutput
 from components.engine.batch.stats import EngineStats

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from components.engine.batch.engine import BatchEngine
+from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.state import Request
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)

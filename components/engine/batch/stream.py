@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from components.engine.batch.engine import BatchEngine
+from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.state import Request, StepOutput
 from components.engine.engine import GenerationResult
 

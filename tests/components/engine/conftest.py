@@ -17,7 +17,7 @@ def references(tiny_target) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def greedy_refs(tiny_target) -> list[list[int]]:
     """Target-only greedy outputs of the batch tests' requests (``batch.test_engine.requests``)."""
-    from tests.components.engine.batch.test_engine import requests
+    from tests.components.engine.batch.test_continuous import requests
 
     return [target_only_generate(tiny_target, r.prompt_ids, r.max_new_tokens).tokens
             for r in requests(tiny_target)]

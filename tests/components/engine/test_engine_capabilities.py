@@ -19,7 +19,7 @@ from components.engine import (
     TreeEngine,
 )
 from components.engine.batch import BatchEngine
-from tests.components.engine.batch.test_engine import requests
+from tests.components.engine.batch.test_continuous import requests
 from tests.components.engine.test_engine_carryover import carry_drafter
 from tests.components.engine.test_engine_greedy import random_drafter
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from components.engine.batch import BatchEngine, Request
-from tests.components.engine.batch.test_engine import batch_prompts
+from tests.components.engine.batch.test_continuous import batch_prompts
 from tests.components.engine.test_engine_greedy import random_drafter
 
 

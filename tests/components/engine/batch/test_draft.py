@@ -11,7 +11,7 @@ from components.engine.batch import BatchEngine, Request
 from components.engine.batch.draft import row_calibrated
 from components.engine.schedule import AdaptiveDraftLength
 from components.spec.cost import ProfileTable
-from tests.components.engine.batch.test_engine import batch_prompts
+from tests.components.engine.batch.test_continuous import batch_prompts
 from tests.components.engine.doubles import ScriptedDrafter
 from tests.components.engine.test_engine_carryover import carry_drafter
 from tests.components.engine.test_engine_greedy import random_drafter

@@ -10,7 +10,7 @@ import pytest
 
 from components.engine.batch import BatchEngine, Request
 from components.engine.batch.stream import AsyncEngine, EngineError
-from tests.components.engine.batch.test_engine import requests
+from tests.components.engine.batch.test_continuous import requests
 from tests.components.engine.test_engine_greedy import random_drafter
 
 

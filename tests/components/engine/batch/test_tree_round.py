@@ -8,7 +8,7 @@ import pytest
 from components.engine import OracleDrafter, SpeculativeEngine, target_only_generate
 from components.engine.batch import BatchEngine, Request
 from components.spec.sampling import SamplingParams
-from tests.components.engine.batch.test_engine import requests
+from tests.components.engine.batch.test_continuous import requests
 from tests.components.engine.test_engine_greedy import random_drafter
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from components.engine.cache.ragged import RaggedCache
-from tests.components.engine.batch.test_engine import batch_prompts
+from tests.components.engine.batch.test_continuous import batch_prompts
 
 
 def test_ragged_cache_compaction_keeps_attention_exact(tiny_target):

@@ -12,7 +12,7 @@ from components.engine.batch import BatchEngine
 from components.engine.cache.ragged import RaggedCache
 from components.engine.cache.slab import MIN_HEADROOM, SlabLayer, preallocate
 from components.engine.tree import TreeEngine
-from tests.components.engine.batch.test_engine import batch_prompts, requests
+from tests.components.engine.batch.test_continuous import batch_prompts, requests
 from tests.components.engine.test_engine_greedy import random_drafter
 
 
