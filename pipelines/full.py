@@ -13,12 +13,12 @@ from typing import Any
 
 from components.config import ConfigError, SpeclineConfig
 from components.tracking import Tracker
-from pipelines import data, evaluate, target, train
+from pipelines import data, evaluate, serve, target, train
 from pipelines.cli import StageFn, main
 
-# Stage name → entry point. Later stages (data, train, eval, serve) register here.
+# Stage name → entry point, in pipeline order.
 STAGES: dict[str, StageFn] = {"target": target.run, "data": data.run, "train": train.run,
-                              "eval": evaluate.run}
+                              "eval": evaluate.run, "serve": serve.run}
 
 
 def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:

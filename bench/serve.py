@@ -1,0 +1,237 @@
+"""Load generator for the serve stage, in the shape of ``vllm bench serve``: closed-loop
+concurrency levels over HTTP on loopback, speculation on and off in one run.
+
+    python bench/serve.py --drafter DIR [--target embedded|DIR] [--concurrency 1,8,32]
+                          [--requests N] [--new-tokens 64] [--threads 1] [--no-adaptive]
+    python bench/serve.py --url http://127.0.0.1:8000 --model NAME [--tokenizer DIR]   # any OpenAI server
+
+Without ``--url`` it starts Ray and the specline app (``pipelines.serve.start_app``) with the
+drafter, ``max_ongoing_requests`` = the highest concurrency, and at each level runs the same
+held-out prompts (the embedded target's held-out split) twice, interleaved: ``spec off`` (every
+request sends ``"speculate": false``: plain decoding in the same replica) and ``spec on``. With
+``--url`` it drives a server that is already up (e.g. vLLM's ``api_server`` on the same target)
+with the same client and prompts, one mode ("as served").
+
+Every request: ``/v1/completions`` with the prompt as token ids, greedy, ``ignore_eos``,
+``max_tokens = --new-tokens``, streamed with ``include_usage``. Reported per level and mode:
+completed/failed, duration, request throughput, output tokens/s, TTFT / TPOT ((e2e − TTFT) /
+(tokens − 1)) / ITL (every gap between chunks) / E2EL (mean, median, p99 in ms), the
+acceptance length from the ``/metrics`` diff (1 + accepted / drafts, vLLM's counter names),
+and output tokens/s relative to ``spec off`` at the same level. Nothing is asserted about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass
+class Run:
+    """One request as the client saw it."""
+
+    ok: bool
+    tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    gaps: list[float] = field(default_factory=list)  # between chunks after the first
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", default="", help="drafter checkpoint directory (specline app)")
+    ap.add_argument("--target", default="embedded", help="embedded or an HF model directory")
+    ap.add_argument("--url", default="", help="drive this running OpenAI server instead of starting one")
+    ap.add_argument("--model", default="bench", help="model id to send (the served name)")
+    ap.add_argument("--tokenizer", default="", help="with --url: tokenizer directory for the prompts")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (default max(16, 2 x level))")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in the replica")
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--no-adaptive", action="store_true", help="fixed draft length instead of the adaptive cap")
+    return ap.parse_args()
+
+
+# ----------------------------------------------------------------------------- the client
+def one_request(url: str, body: dict[str, Any]) -> Run:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            resp.read()
+            return Run(False)
+        return _read_stream(resp, t0)
+    except (OSError, http.client.HTTPException, ValueError):
+        return Run(False)
+    finally:
+        conn.close()
+
+
+def _read_stream(resp: Any, t0: float) -> Run:
+    run, last = Run(True), None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        now = time.perf_counter()
+        if event.get("usage"):
+            run.tokens = event["usage"]["completion_tokens"]
+        if any(c.get("text") for c in event.get("choices", [])):
+            if last is None:
+                run.ttft = now - t0
+            else:
+                run.gaps.append(now - last)
+            last = now
+    run.e2e = time.perf_counter() - t0
+    return run
+
+
+def closed_loop(url: str, bodies: list[dict[str, Any]], concurrency: int) -> tuple[list[Run], float]:
+    """``concurrency`` workers take the next request as each finishes; (runs, seconds)."""
+    runs: list[Run] = []
+    lock, it = threading.Lock(), iter(bodies)
+
+    def worker() -> None:
+        while True:
+            with lock:
+                body = next(it, None)
+            if body is None:
+                return
+            run = one_request(url, body)
+            with lock:
+                runs.append(run)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return runs, time.perf_counter() - t0
+
+
+def spec_counters(url: str) -> tuple[float, float]:
+    """(drafts, accepted tokens) from the server's /metrics (vLLM's names; 0 when absent)."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    except (OSError, http.client.HTTPException):
+        return 0.0, 0.0
+    finally:
+        conn.close()
+    total = {"vllm:spec_decode_num_drafts_total": 0.0, "vllm:spec_decode_num_accepted_tokens_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in total:
+            total[name] += float(line.rsplit(" ", 1)[1])
+    return total["vllm:spec_decode_num_drafts_total"], total["vllm:spec_decode_num_accepted_tokens_total"]
+
+
+# ----------------------------------------------------------------------------- report
+def _ms(values: list[float]) -> str:
+    if not values:
+        return f"{'-':>7}{'-':>7}{'-':>7}"
+    v = sorted(values)
+    p99 = v[min(len(v) - 1, round(0.99 * (len(v) - 1)))]
+    return f"{1000 * statistics.mean(v):7.1f}{1000 * statistics.median(v):7.1f}{1000 * p99:7.1f}"
+
+
+HEADER = (f"{'conc':>4} {'mode':<10}{'ok':>4}{'fail':>5}{'secs':>7}{'req/s':>7}{'tok/s':>8}{'vs off':>7}{'tau':>6}"
+          f"   {'TTFT mean/med/p99':>21}   {'TPOT':>21}   {'ITL':>21}   {'E2EL (ms)':>21}")
+
+
+def report(conc: int, mode: str, runs: list[Run], secs: float, tau: float | None, base: float | None) -> float:
+    good = [r for r in runs if r.ok]
+    tokens = sum(r.tokens for r in good)
+    tps = tokens / secs if secs else 0.0
+    tpot = [(r.e2e - r.ttft) / (r.tokens - 1) for r in good if r.tokens > 1]
+    ratio = f"{tps / base:6.2f}x" if base else f"{'-':>7}"
+    print(f"{conc:>4} {mode:<10}{len(good):>4}{len(runs) - len(good):>5}{secs:7.1f}{len(good) / secs:7.2f}"
+          f"{tps:8.1f}{ratio}{(f'{tau:6.2f}' if tau else f'{chr(45):>6}')}   {_ms([r.ttft for r in good])}   "
+          f"{_ms(tpot)}   {_ms([g for r in good for g in r.gaps])}   {_ms([r.e2e for r in good])}", flush=True)
+    return tps
+
+
+# ----------------------------------------------------------------------------- setup
+def prompts_for(args: argparse.Namespace, count: int) -> tuple[list[list[int]], Any]:
+    from components.config import EvalConfig, TargetConfig
+    from components.evaluation.prompts import eval_prompts
+    from components.target.hf import resolve_target_path
+
+    if args.url and args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok, corpus = AutoTokenizer.from_pretrained(args.tokenizer), Path(args.tokenizer)
+    else:
+        path = resolve_target_path(TargetConfig(name_or_path=args.target))
+        from transformers import AutoTokenizer
+
+        tok, corpus = AutoTokenizer.from_pretrained(path), Path(path)
+    got = eval_prompts(EvalConfig(num_prompts=count), tok, corpus if corpus.is_dir() else None)
+    return [list(p.input_ids) for p in got], tok
+
+
+def start_server(args: argparse.Namespace, top: int) -> str:
+    from components.cluster import init_ray
+    from components.config import RayConfig, ServeConfig, SpeclineConfig, TargetConfig
+    from components.serving.provenance import DrafterSource
+    from components.target.hf import resolve_target_path
+    from pipelines.serve import start_app
+
+    target = TargetConfig(name_or_path=args.target)
+    path = resolve_target_path(target)
+    sc = ServeConfig(port=args.port, model_name=args.model, max_ongoing_requests=top, max_queued_requests=2 * top,
+                     adaptive=not args.no_adaptive, torch_threads=args.threads, cpus_per_replica=1.0)
+    init_ray(RayConfig())
+    source = DrafterSource(str(Path(args.drafter).resolve()) if args.drafter else None, "bench")
+    start_app(SpeclineConfig(run_dir="runs", target=target, serve=sc), path, source, None)
+    return f"http://127.0.0.1:{args.port}"
+
+
+def main() -> None:
+    args = parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    counts = {c: args.requests or max(16, 2 * c) for c in levels}
+    prompts, _ = prompts_for(args, max(counts.values()))
+    url = args.url or start_server(args, max(levels))
+    modes = [("as served", None)] if args.url else [("spec off", False), ("spec on", True)]
+    print(f"{len(prompts)} held-out prompts x {args.new_tokens} tokens, greedy, ignore_eos, {url}")
+    print(HEADER)
+    for conc in levels:
+        base = None
+        for mode, speculate in modes:
+            extra = {} if speculate is None else {"speculate": speculate}
+            bodies = [{"model": args.model, "prompt": p, "max_tokens": args.new_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
+                      for p in prompts[:counts[conc]]]
+            one_request(url, bodies[0])  # warm-up, not timed
+            before = spec_counters(url)
+            runs, secs = closed_loop(url, bodies, conc)
+            after = spec_counters(url)
+            drafts = after[0] - before[0]
+            tau = 1 + (after[1] - before[1]) / drafts if drafts > 0 else None
+            tps = report(conc, mode, runs, secs, tau, base)
+            base = base or tps
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""What one serving replica holds: the target, the served drafter (guarded) and the batch
+engine, built from the config as the eval stage builds them (``load_target``, ``load_drafter``).
+
+Engine settings from ``serve``: γ (``num_speculative_tokens``), DLoop ``loop_stages``/``loop_gate``,
+carryover (on when the drafter declares the capability, unless set), token trees for a lone
+request (``tree_budget``), the batch size (``max_ongoing_requests``) and the draft cap: fixed γ,
+or (``adaptive``, default) ``AdaptiveDraftLength`` over the engine's round times profiled once
+per host and setting and stored under ``profile_dir`` (``stored_round_times``).
+
+A drafter trained for another target or tokenizer is refused with every mismatch named
+(``load_drafter``'s check), as a ``ConfigError``. Knows the config, the target and drafter
+loaders and the engine's constructor; nothing about HTTP, requests or Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from components.config import ConfigError, ServeConfig, TargetConfig
+from components.drafters import DrafterError, load_drafter
+from components.drafters.capabilities import Capability, has
+from components.engine import BatchEngine
+from components.serving.fallback import GuardedDrafter
+from components.serving.provenance import DrafterSource
+from components.target import load_target
+
+PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class EngineParts:
+    target: Any  # components.target.Target
+    drafter: GuardedDrafter | None
+    engine: BatchEngine
+    settings: dict[str, Any] = field(default_factory=dict)  # what /v1/models reports
+    startup_seconds: float = 0.0
+
+
+def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, source: DrafterSource) -> EngineParts:
+    """Loads the target and drafter and builds the engine as ``sc`` configures it."""
+    t0 = time.perf_counter()
+    if sc.torch_threads > 0:
+        torch.set_num_threads(sc.torch_threads)
+    target = load_target(dataclasses.replace(target_cfg, name_or_path=target_path), progress=False)
+    drafter = _load(source, target)
+    carryover = _carryover(sc, drafter)
+    kwargs: dict[str, Any] = {"num_speculative_tokens": sc.num_speculative_tokens, "loop_stages": sc.loop_stages, "loop_gate": sc.loop_gate,
+                              "carryover": carryover}
+    guarded = GuardedDrafter(drafter, target.vocab_size) if drafter is not None else None
+    policy, profile = _policy(sc, target, guarded, kwargs)
+    try:
+        engine = BatchEngine(target, guarded, max_batch_size=sc.max_ongoing_requests, draft_length=policy,
+                             tree_budget=sc.tree_budget if guarded is not None else 0, tree_builder=sc.tree_builder,
+                             **kwargs)
+    except (ValueError, DrafterError) as err:  # a capability the drafter lacks, a bad tree builder
+        raise ConfigError(f"serve: cannot build the engine: {err}") from None
+    settings = {"num_speculative_tokens": engine.num_speculative_tokens, "max_cap": engine.max_cap, "loop_stages": sc.loop_stages,
+                "loop_gate": sc.loop_gate, "carryover": carryover, "adaptive": policy is not None,
+                "round_profile": profile, "tree_budget": sc.tree_budget if guarded is not None else 0,
+                "tree_builder": sc.tree_builder, "sampled_rule": sc.sampled_rule,
+                "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
+                "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device)}
+    return EngineParts(target, guarded, engine, settings, time.perf_counter() - t0)
+
+
+def _load(source: DrafterSource, target: Any) -> Any:
+    if source.path is None:
+        return None
+    try:
+        return load_drafter(source.path, target).eval()
+    except DrafterError as err:
+        raise ConfigError(f"serve: the drafter from {source.origin} cannot serve this target: {err}") from None
+
+
+def _carryover(sc: ServeConfig, drafter: Any) -> bool:
+    if drafter is None:
+        return False
+    able = has(drafter, Capability.CARRYOVER)
+    if sc.carryover and not able:
+        raise ConfigError(f"serve.carryover: the drafter '{drafter.cfg.name}' was not trained with the carryover "
+                          "objective (no carryover embedding); set serve.carryover=false or leave it unset")
+    return able if sc.carryover is None else bool(sc.carryover)
+
+
+def _policy(sc: ServeConfig, target: Any, drafter: Any, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
+    """(the adaptive draft-length policy or None for fixed γ, where its round profile came from)."""
+    if not sc.adaptive or drafter is None:
+        return None, None
+    adaptive, stored_round_times = _adaptive_api()
+    sizes = sorted({b for b in PROFILE_BATCH_SIZES if b < sc.max_ongoing_requests} | {1, sc.max_ongoing_requests})
+    path = profile_path(sc, target, drafter, kwargs)
+    try:
+        rounds, reused = stored_round_times(path, target, drafter, sizes, **kwargs)
+    except ValueError as err:
+        raise ConfigError(f"serve.profile_dir: {err}") from None
+    return adaptive(round_time=rounds), f"{'stored' if reused else 'measured'}: {path.name}"
+
+
+def profile_path(sc: ServeConfig, target: Any, drafter: Any, kwargs: dict[str, Any]) -> Path:
+    """One file per target, drafter architecture and engine setting (the profile's own key is
+    checked on reuse, so a collision only costs a re-profile)."""
+    params = sum(p.numel() for p in drafter.parameters())
+    key = repr((str(target.name_or_path), type(drafter.drafter).__name__, params, sorted(kwargs.items()),
+                sc.max_ongoing_requests, str(target.device), str(target.dtype), torch.get_num_threads()))
+    return Path(sc.profile_dir).expanduser() / f"round-profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _adaptive_api() -> tuple[Any, Any]:
+    """``AdaptiveDraftLength`` and ``stored_round_times``, from the engine package (where it
+    re-exports them) or the modules that define them."""
+    from components import engine
+
+    if hasattr(engine, "AdaptiveDraftLength") and hasattr(engine, "stored_round_times"):
+        return engine.AdaptiveDraftLength, engine.stored_round_times
+    from components.engine.schedule import AdaptiveDraftLength
+
+    try:
+        from components.engine.batch.profile import stored_round_times
+    except ImportError:
+        from components.engine.profile import stored_round_times  # type: ignore[no-redef]
+    return AdaptiveDraftLength, stored_round_times

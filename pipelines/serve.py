@@ -1,0 +1,154 @@
+"""Stage ``serve``: the target + drafter behind an OpenAI-compatible API on Ray Serve.
+
+    python -m pipelines.serve conf=dspark.yaml serve.drafter_path=runs/train/drafter
+    python -m pipelines.serve conf=dspark.yaml serve.drafter_run_id=<train stage's MLflow run id>
+    python -m pipelines.serve conf=dspark.yaml serve.drafter=none      # the target alone
+    python -m pipelines.full conf=dspark.yaml "stages=[target,data,train,eval,serve]"
+
+Setup: the target (upstream ``target_path`` or the configured one), the drafter
+(``components.serving.provenance``: path, MLflow run id, or the train stage's), the API key
+(``serve.api_key`` or the variable ``serve.api_key_env`` names). Run: Ray (``components.cluster``),
+Serve's HTTP proxy on ``serve.host:serve.port``, the app (``components.serving.app``). Report:
+the MLflow run records which drafter (path, run id, registered version) is served and the
+settings; the endpoint, the Ray dashboard and a sample ``curl`` are printed. With
+``serve.block=true`` (default) the process then serves until Ctrl-C; ``serve.block=false``
+returns once the app is up (tests, scripts), leaving it running in this process's Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from components.cluster import init_ray
+from components.config import ConfigError, ServeConfig, SpeclineConfig
+from components.serving.app import build_app, model_id
+from components.serving.provenance import DrafterSource, resolve_drafter
+from components.target.hf import resolve_target_path
+from components.tracking import Tracker, tracking_uri
+from pipelines.cli import main
+
+
+def api_key(sc: ServeConfig) -> str | None:
+    """``serve.api_key``, else the environment variable ``serve.api_key_env`` names (which must be set)."""
+    if sc.api_key:
+        return sc.api_key
+    if sc.api_key_env:
+        key = os.environ.get(sc.api_key_env)
+        if not key:
+            raise ConfigError(f"serve.api_key_env: the environment variable '{sc.api_key_env}' is not set or empty")
+        return key
+    return None
+
+
+def endpoint(sc: ServeConfig) -> str:
+    host = "127.0.0.1" if sc.host in ("0.0.0.0", "::") else sc.host
+    return f"http://{host}:{sc.port}"
+
+
+def sample_curl(sc: ServeConfig, model: str, key: str | None) -> str:
+    auth = ' -H "Authorization: Bearer $KEY"' if key else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    return f"curl {endpoint(sc)}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+def start_app(cfg: SpeclineConfig, target_path: str, source: DrafterSource, key: str | None) -> None:
+    """Serve's HTTP proxy on the configured address, then the app (waits until it is up)."""
+    from ray import serve
+
+    sc = cfg.serve
+    serve.start(http_options={"host": sc.host, "port": sc.port})
+    try:
+        serve.run(build_app(cfg, target_path, source, key), name=sc.app_name, route_prefix="/", blocking=False)
+    except RuntimeError as err:  # the replica constructor failed (e.g. a drafter for another target)
+        raise ConfigError(f"serve: the app did not start: {_first_cause(str(err) + _status_text(sc.app_name))}") from None
+
+
+def _status_text(app_name: str) -> str:
+    """What Serve says about the app's deployments (their constructors' errors)."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications[app_name]
+        return "\n".join([app.message or ""] + [d.message or "" for d in app.deployments.values()])
+    except Exception:  # noqa: BLE001  (status is a best effort for the message)
+        return ""
+
+
+def _first_cause(text: str) -> str:
+    for marker in ("ConfigError: ", "DrafterError: ", "TargetError: "):
+        if marker in text:
+            return text[text.rindex(marker) + len(marker):].strip().splitlines()[0]
+    return text.strip().splitlines()[0] if text.strip() else "unknown error"
+
+
+def _dashboard() -> str | None:
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        url = get_dashboard_url()
+        return f"http://{url}" if url and not url.startswith("http") else url or None
+    except Exception:  # noqa: BLE001  (no dashboard: include_dashboard is off)
+        return None
+
+
+def _metrics_port() -> int | None:
+    import ray
+
+    ports = [n.get("MetricsExportPort") for n in ray.nodes() if n.get("Alive")]
+    return ports[0] if ports else None
+
+
+def _log(tracker: Tracker, cfg: SpeclineConfig, source: DrafterSource, target_path: str, model: str) -> None:
+    params = {f"serve.{k}": v for k, v in dataclasses.asdict(cfg.serve).items() if k != "api_key"}
+    tracker.log_params(params | {"serve.target_path": target_path, "serve.model": model,
+                                 "serve.drafter_source": source.origin, "serve.drafter_checkpoint": source.path,
+                                 "serve.drafter_run": source.run_id, "serve.drafter_version": source.version})
+
+
+def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
+    """Returns upstream plus ``serve_endpoint``, ``serve_app``, ``serve_model``, ``serve_drafter_*``."""
+    sc, t0 = cfg.serve, time.perf_counter()
+    target_path = upstream.get("target_path") or resolve_target_path(cfg.target, progress=True)
+    source = resolve_drafter(cfg, upstream, tracking_uri(cfg) if tracker.enabled else None)
+    key, model = api_key(sc), model_id(cfg)
+    init_ray(cfg.ray)
+    start_app(cfg, target_path, source, key)
+    _log(tracker, cfg, source, target_path, model)
+    out = {**upstream, "serve_endpoint": endpoint(sc), "serve_app": sc.app_name, "serve_model": model,
+           "serve_drafter_path": source.path, "serve_drafter_run_id": source.run_id,
+           "serve_startup_seconds": time.perf_counter() - t0}
+    tracker.log_metrics({"serve/startup_seconds": out["serve_startup_seconds"]})
+    _announce(sc, model, key, source)
+    if sc.block:
+        _block(sc)
+    return out
+
+
+def _announce(sc: ServeConfig, model: str, key: str | None, source: DrafterSource) -> None:
+    port, dash = _metrics_port(), _dashboard()
+    lines = [f"serve: {model} (drafter: {source.label}, from {source.origin}) at {endpoint(sc)}/v1",
+             (f"serve: Ray dashboard {dash or 'off (ray.include_dashboard=true to enable)'}; "
+             f"metrics: {endpoint(sc)}/metrics (this replica), Ray metrics port {port} (all replicas, ray_ prefix)"),
+             f"serve: try  {sample_curl(sc, model, key)}"]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _block(sc: ServeConfig) -> None:
+    from ray import serve
+
+    print("serve: serving until Ctrl-C", file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("serve: shutting down", file=sys.stderr, flush=True)
+        serve.delete(sc.app_name)
+
+
+if __name__ == "__main__":
+    sys.exit(main(run, "serve"))

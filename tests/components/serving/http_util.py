@@ -1,0 +1,58 @@
+"""Raw HTTP helpers for the serving tests (stdlib only): JSON posts, SSE streams, free ports."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(port: int, method: str, path: str, body: Any = None, key: str | None = None,
+            raw: bytes | None = None, timeout: float = 60) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers (lower-case names), body bytes)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    try:
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def post(port: int, path: str, body: Any, key: str | None = None, **kw: Any) -> tuple[int, dict[str, Any]]:
+    status, _, data = request(port, "POST", path, body, key, **kw)
+    return status, json.loads(data)
+
+
+def sse_events(data: bytes) -> list[Any]:
+    """The ``data:`` payloads of an SSE body (JSON, or the string ``[DONE]``)."""
+    out = []
+    for block in data.decode().split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def wait_for(check, timeout: float, every: float = 0.2) -> Any:
+    """Polls ``check()`` until it returns something truthy (returned) or ``timeout`` passes (None)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            got = check()
+        except (OSError, http.client.HTTPException):
+            got = None
+        if got:
+            return got
+        time.sleep(every)
+    return None

@@ -1,0 +1,216 @@
+"""The Serve app end to end on loopback (one app for the module): the official ``openai``
+client, ≥16 concurrent mixed requests with greedy output equal to the target's own token for
+token and seeded sampling reproducible with and without speculation, every bad input's 4xx and
+body, the API key, stop strings in streams, overload answered within a second, a client
+disconnect freeing its rows, the metrics, and a killed replica replaced."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from components.config import ServeConfig, SpeclineConfig
+from components.serving.provenance import DrafterSource
+from tests.components.serving.conftest import greedy_reference, prompt_ids
+from tests.components.serving.http_util import free_port, post, request, sse_events, wait_for
+
+KEY = "test-key"
+MODEL = "tiny"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def port(ray_session, tiny_target_cfg, tiny_target_build, serving_drafter, tmp_path_factory):
+    from ray import serve
+
+    from pipelines.serve import start_app
+
+    sc = ServeConfig(port=free_port(), model_name=MODEL, adaptive=False, max_ongoing_requests=8,
+                     max_queued_requests=12, cpus_per_replica=0.5, max_body_bytes=20_000, health_check_period_s=2,
+                     health_check_timeout_s=10)
+    cfg = SpeclineConfig(run_dir=str(tmp_path_factory.mktemp("serve-app")), target=tiny_target_cfg, serve=sc)
+    start_app(cfg, str(tiny_target_build[0]), DrafterSource(str(serving_drafter), "test", run_id="run-123"), KEY)
+    yield sc.port
+    serve.shutdown()
+
+
+def _client(port: int):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_openai_client_completions_and_chat(port):
+    client = _client(port)
+    card = client.models.list().data[0]
+    assert card.id == MODEL and card.model_extra["specline"]["drafter"]["run_id"] == "run-123"
+    assert card.model_extra["specline"]["engine"]["num_speculative_tokens"] >= 1
+    done = client.completions.create(model=MODEL, prompt="def read(", max_tokens=8, temperature=0)
+    assert done.choices[0].finish_reason in ("length", "stop") and 1 <= done.usage.completion_tokens <= 8
+    assert done.model_extra["specline"]["spec_decode"]["num_drafts"] >= 1
+    streamed = list(client.completions.create(model=MODEL, prompt="def read(", max_tokens=8, temperature=0,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens > 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                                 max_tokens=8, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_concurrent_mixed_requests(port, tiny_target):
+    prompts = prompt_ids(tiny_target, 16)
+    greedy = [{"prompt": p, "max_tokens": 8 + 2 * (i % 6), "temperature": 0, "ignore_eos": True,
+               "return_token_ids": True} for i, p in enumerate(prompts)]
+    sampled = {"prompt": prompts[0], "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 7,
+               "ignore_eos": True, "return_token_ids": True}
+    bodies = greedy + [sampled, sampled, {**sampled, "speculate": False}, {**sampled, "seed": 8}]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        results = list(pool.map(lambda b: post(port, "/v1/completions", b, KEY), bodies))
+    assert all(status == 200 for status, _ in results), [r for r in results if r[0] != 200][:2]
+    tokens = [body["choices"][0]["token_ids"] for _, body in results]
+    for body, got in zip(greedy, tokens):
+        assert got == greedy_reference(tiny_target, body["prompt"], body["max_tokens"])
+    assert tokens[16] == tokens[17] == tokens[18]  # same seed: same output, with speculation or without
+    assert results[18][1]["specline"]["speculate"] is False and results[16][1]["specline"]["speculate"]
+    assert all(len(t) == 16 for t in tokens[16:])
+
+
+BAD = [  # (path, body or raw bytes, status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"prompt": 3}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [5] * 600}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": -1}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "model": "other"}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400, "tools"),
+    ("/v1/completions", {"prompt": "x" * 30_000}, 413, None),
+    ("/tokenize", {"prompt": 3}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+def test_bad_requests_get_4xx_and_an_error_body(port):
+    for path, body, status, param in BAD:
+        raw = body if isinstance(body, bytes) else None
+        got, _headers, data = request(port, "POST", path, None if raw else body, KEY, raw=raw)
+        error = json.loads(data)["error"]
+        assert (got, error["param"]) == (status, param), (path, body if raw else str(body)[:80], error)
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_api_key_is_enforced(port):
+    for key in (None, "wrong"):
+        status, body = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2}, key)
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+    assert request(port, "GET", "/v1/models")[0] == 401
+    assert request(port, "GET", "/health")[0] == 200  # probes need no key
+
+
+def test_stop_string_ends_a_stream_without_leaking(port, tiny_target):
+    body = {"prompt": prompt_ids(tiny_target, 3)[2], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    text = post(port, "/v1/completions", body, KEY)[1]["choices"][0]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    status, _, data = request(port, "POST", "/v1/completions", body | {"stop": [stop], "stream": True}, KEY)
+    events = sse_events(data)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text[:text.index(stop)]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tokenize_and_detokenize(port, tiny_target):
+    status, body = post(port, "/tokenize", {"prompt": "def read(path):"}, KEY)
+    assert status == 200 and body["tokens"] == tiny_target.tokenizer.encode("def read(path):")
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 512
+    assert post(port, "/detokenize", {"tokens": body["tokens"]}, KEY)[1]["prompt"] == "def read(path):"
+
+
+def test_overload_is_refused_within_a_second(port, tiny_target):
+    body = {"prompt": prompt_ids(tiny_target, 1)[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+
+    def one(_: int) -> tuple[int, float, dict, bytes]:
+        t0 = time.perf_counter()
+        status, headers, data = request(port, "POST", "/v1/completions", body, KEY)
+        return status, time.perf_counter() - t0, headers, data
+
+    with ThreadPoolExecutor(36) as pool:
+        results = list(pool.map(one, range(36)))
+    refused = [r for r in results if r[0] != 200]
+    assert refused and all(r[0] == 503 for r in refused)
+    assert all(r[1] < 1.0 and r[2].get("retry-after") == "1" and json.loads(r[3])["error"]["code"] for r in refused)
+    done = [json.loads(r[3]) for r in results if r[0] == 200]
+    assert len(done) >= 20 and all(d["usage"]["completion_tokens"] == 120 for d in done)
+
+
+def _metric(port: int, name: str) -> float:
+    text = request(port, "GET", "/metrics")[2].decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_disconnect_cancels_and_frees_rows(port, tiny_target):
+    before = _metric(port, "vllm:generation_tokens_total")
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = {"prompt": prompt_ids(tiny_target, 1)[0], "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}",
+                                                                 "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    idle = wait_for(lambda: (h := json.loads(request(port, "GET", "/health")[2]))["running"] == 0
+                    and h["admitted"] == 0, timeout=20)
+    assert idle, "the disconnected request still holds rows"
+    assert _metric(port, "vllm:generation_tokens_total") - before < 480  # it stopped early
+
+
+def test_metrics_after_traffic(port):
+    assert post(port, "/v1/completions", {"prompt": "def", "max_tokens": 6, "temperature": 0}, KEY)[0] == 200
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "specline:spec_decode_acceptance_length_count"):
+        assert _metric(port, name) > 0, name
+    import ray
+
+    ray_port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+
+    def exported() -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", ray_port, timeout=5)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        return any(line.startswith("ray_vllm_spec_decode_num_drafts_total{") and float(line.rsplit(" ", 1)[1]) > 0
+                   for line in text.splitlines())
+
+    assert wait_for(exported, timeout=40, every=2), "spec-decode counters not on Ray's metrics port"
+
+
+def test_killed_replica_is_replaced(port):
+    import ray
+
+    def replicas() -> set[str]:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == "serve" and "SpeclineServer" in a["name"]}
+
+    old = replicas()
+    assert len(old) == 1
+    ray.kill(ray.get_actor(next(iter(old)), namespace="serve"), no_restart=True)
+    assert wait_for(lambda: replicas() - old, timeout=90), "Serve did not start a new replica"
+    ok = wait_for(lambda: post(port, "/v1/completions", {"prompt": "def", "max_tokens": 4}, KEY)[0] == 200,
+                  timeout=90, every=1)
+    assert ok, "requests still fail after the replica was replaced"

@@ -1,0 +1,137 @@
+"""The replica without HTTP or Ray: greedy output equals the target's own; a drafter failure
+falls back to plain decoding with the same output and is counted; an engine failure makes the
+replica unhealthy; admission refuses past capacity at once; a drafter for another target is
+refused naming the mismatch; the adaptive cap's round profile is measured once and reused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+
+from components.config import ConfigError
+from components.serving.protocol import APIError, parse_request
+from components.serving.replica import Replica
+from components.serving.responses import Outcome
+from tests.components.serving.conftest import greedy_reference, make_parts, prompt_ids
+
+NEW = 12
+
+
+async def _run(replica: Replica, body: dict) -> Outcome:
+    params = parse_request("completion", body, replica.served)
+    replica.admit()
+    out = None
+    async for item in replica.generate(params):
+        out = item
+    assert isinstance(out, Outcome)
+    return out
+
+
+def _greedy(prompt: list[int]) -> dict:
+    return {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True}
+
+
+async def _many(replica: Replica, bodies: list[dict]) -> list[Outcome]:
+    return await asyncio.gather(*(_run(replica, b) for b in bodies))
+
+
+@pytest.fixture
+def replica(tiny_target_cfg, tiny_target_build, serving_drafter):
+    parts, served, sc = make_parts(tiny_target_cfg, tiny_target_build, serving_drafter)
+    rep = Replica(parts, served, sc.max_queued_requests, drafter_label="test")
+    yield rep
+    rep.shutdown()
+
+
+def test_greedy_is_the_targets_own_and_counted(replica, tiny_target):
+    prompts = prompt_ids(tiny_target, 6)
+    outs = asyncio.run(_many(replica, [_greedy(p) for p in prompts]))
+    assert [o.token_ids for o in outs] == [greedy_reference(tiny_target, p, NEW) for p in prompts]
+    assert all(o.spec.drafted for o in outs) and replica.admitted == 0
+    replica.poll_metrics()
+    text = replica.metrics.render()
+    assert replica.metrics.value("vllm:spec_decode_num_drafts") > 0
+    assert 'vllm:request_success_total{model_name="tiny",finished_reason="length"} 6' in text
+
+
+class Flaky:
+    """Raises in every batched or single propose after ``ok`` calls (a drafter fault mid-round)."""
+
+    def __init__(self, inner, ok: int):
+        self.inner, self.ok = inner, ok
+
+    def __call__(self, *args, **kwargs):
+        self.ok -= 1
+        if self.ok < 0:
+            raise RuntimeError("drafter kernel fault")
+        return self.inner(*args, **kwargs)
+
+
+def test_drafter_failure_falls_back_losslessly(replica, tiny_target):
+    drafter = replica.parts.drafter.drafter
+    method = "propose_many" if hasattr(drafter, "propose_many") else "propose"
+    setattr(drafter, method, Flaky(getattr(drafter, method), ok=2))
+    prompts = prompt_ids(tiny_target, 4)
+    bodies = [_greedy(p) for p in prompts] + [{**_greedy(prompts[0]), "temperature": 0.8, "seed": 5}]
+    outs = asyncio.run(_many(replica, bodies))
+    assert [o.token_ids for o in outs[:4]] == [greedy_reference(tiny_target, p, NEW) for p in prompts]
+    assert replica.parts.drafter.failures >= 1 and replica.healthy
+    replica.poll_metrics()
+    assert replica.metrics.value("specline:spec_decode_fallbacks") >= 1
+    # the same sampled request without speculation: the Gumbel rule makes it the same output
+    plain = asyncio.run(_run(replica, {**bodies[-1], "speculate": False}))
+    assert plain.token_ids == outs[-1].token_ids
+
+
+def test_engine_failure_makes_the_replica_unhealthy(replica, tiny_target):
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    replica.parts.engine.target = type("Broken", (), {"forward": staticmethod(broken),
+                                                       "device": tiny_target.device})()
+    with pytest.raises(APIError) as info:
+        asyncio.run(_run(replica, _greedy(prompt_ids(tiny_target, 1)[0])))
+    assert info.value.status == 503 and "device lost" in info.value.message
+    with pytest.raises(RuntimeError, match="engine is dead"):
+        replica.check_health()
+    assert replica.status()["status"] == "dead"
+    with pytest.raises(APIError) as info:
+        replica.admit()
+    assert info.value.status == 503 and info.value.headers["Retry-After"]
+
+
+def test_admission_refuses_past_capacity_at_once(tiny_target_cfg, tiny_target_build):
+    parts, served, _ = make_parts(tiny_target_cfg, tiny_target_build, None, max_ongoing_requests=1)
+    rep = Replica(parts, served, max_queued=1, overload_status=429, retry_after_s=1)
+    try:
+        rep.admit()
+        rep.admit()
+        with pytest.raises(APIError) as info:
+            rep.admit()
+        err = info.value
+        assert err.status == 429 and err.headers == {"Retry-After": "1"} and err.body()["error"]["code"]
+        assert rep.metrics.value("specline:requests_rejected", reason="overload") == 1
+    finally:
+        rep.shutdown()
+
+
+def test_drafter_for_another_target_is_refused(tiny_target_cfg, tiny_target_build, serving_drafter, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(serving_drafter, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["target_tokenizer_hash"], cfg["target_vocab_size"] = "0" * 16, cfg["target_vocab_size"] + 1
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="tokenizer hash.*vocabulary size|vocabulary size.*tokenizer hash"):
+        make_parts(tiny_target_cfg, tiny_target_build, other)
+
+
+def test_round_profile_is_measured_once_and_reused(tiny_target_cfg, tiny_target_build, serving_drafter, tmp_path):
+    kwargs = {"adaptive": True, "profile_dir": str(tmp_path), "max_ongoing_requests": 2, "num_speculative_tokens": 2}
+    first, _, _ = make_parts(tiny_target_cfg, tiny_target_build, serving_drafter, **kwargs)
+    again, _, _ = make_parts(tiny_target_cfg, tiny_target_build, serving_drafter, **kwargs)
+    assert first.settings["round_profile"].startswith("measured")
+    assert again.settings["round_profile"].startswith("stored") and len(list(tmp_path.glob("*.json"))) == 1
+    assert first.settings["adaptive"] and first.settings["num_speculative_tokens"] == 2

@@ -1,0 +1,75 @@
+"""The serve stage as the last stage of the full pipeline: it serves the train stage's drafter
+(``serve.block=false`` returns once the app is up), prints the endpoint and a sample curl, and
+its MLflow run records which drafter run it serves; missing inputs are clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from components.config import ConfigError, DrafterConfig, ServeConfig, SpeclineConfig
+from components.tracking import Tracker
+from pipelines import full, serve
+from tests.components.serving.http_util import free_port, request
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, tiny_target) -> Path:
+    from components.drafters import build_drafter, save_drafter
+
+    torch.manual_seed(0)
+    drafter = build_drafter(DrafterConfig(name="dspark", num_layers=1, block_size=4, markov_rank=8), tiny_target)
+    return save_drafter(drafter, tmp_path_factory.mktemp("serve-stage") / "drafter")
+
+
+def _cfg(spec_cfg: SpeclineConfig, **serve_fields) -> SpeclineConfig:
+    sc = ServeConfig(**{"port": free_port(), "block": False, "adaptive": False, "cpus_per_replica": 0.5,
+                        "model_name": "tiny", **serve_fields})
+    return dataclasses.replace(spec_cfg, stages=["serve"], serve=sc)
+
+
+def test_serve_is_the_full_pipelines_last_stage(spec_cfg, tiny_target_build, drafter_dir, ray_session, capsys):
+    from ray import serve as ray_serve
+
+    cfg = _cfg(spec_cfg)
+    tracker = Tracker(cfg)
+    upstream = {"target_path": str(tiny_target_build[0]), "drafter_path": str(drafter_dir),
+                "train_run_id": "train-run-1", "registered_version": 3}
+    try:
+        with tracker.run("pipeline"):
+            out = full.run(cfg, tracker, upstream)
+        assert out["serve_endpoint"] == f"http://127.0.0.1:{cfg.serve.port}"
+        assert out["serve_drafter_run_id"] == "train-run-1" and out["serve_model"] == "tiny"
+        status, _, body = request(cfg.serve.port, "GET", "/v1/models")
+        drafter = json.loads(body)["data"][0]["specline"]["drafter"]
+        assert status == 200 and (drafter["run_id"], drafter["version"]) == ("train-run-1", 3)
+        printed = capsys.readouterr().err
+        assert f"curl http://127.0.0.1:{cfg.serve.port}/v1/chat/completions" in printed and "dashboard" in printed
+    finally:
+        ray_serve.shutdown()
+    client = MlflowClient(f"sqlite:///{Path(cfg.run_dir).resolve() / 'mlflow.db'}")
+    params = client.get_run(out["serve_run_id"]).data.params
+    assert params["serve.drafter_run"] == "train-run-1" and params["serve.drafter_source"] == "train stage"
+    assert params["serve.drafter_checkpoint"] == str(drafter_dir.resolve())
+    assert "serve.api_key" not in params
+
+
+def test_serve_stage_says_what_is_missing(spec_cfg, tiny_target_build, monkeypatch):
+    tracker = Tracker(dataclasses.replace(spec_cfg, tracking=dataclasses.replace(spec_cfg.tracking, enabled=False)))
+    upstream = {"target_path": str(tiny_target_build[0])}
+    with pytest.raises(ConfigError, match="serve.drafter_path"):
+        serve.run(_cfg(spec_cfg), tracker, upstream)
+    with pytest.raises(ConfigError, match="not a drafter checkpoint"):
+        serve.run(_cfg(spec_cfg, drafter_path="/nonexistent/drafter"), tracker, upstream)
+    monkeypatch.delenv("SPECLINE_TEST_KEY", raising=False)
+    with pytest.raises(ConfigError, match="SPECLINE_TEST_KEY"):
+        serve.run(_cfg(spec_cfg, drafter="none", api_key_env="SPECLINE_TEST_KEY"), tracker, upstream)
+    with pytest.raises(ConfigError, match="overload_status"):
+        ServeConfig(overload_status=500)
