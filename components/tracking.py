@@ -12,6 +12,7 @@ This module knows MLflow and the config schema; it knows nothing about what a st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +44,18 @@ def artifact_location(cfg: SpeclineConfig) -> str | None:
     if cfg.tracking.tracking_uri:
         return None
     return (run_dir(cfg) / "mlartifacts").as_uri()
+
+
+SECRET_KEYS = (("serve", "api_key"),)  # config fields never written to a tracking server
+
+
+def redacted(cfg: SpeclineConfig) -> SpeclineConfig:
+    """A copy of ``cfg`` with every set secret replaced by ``"<redacted>"``."""
+    for section, key in SECRET_KEYS:
+        part = getattr(cfg, section)
+        if getattr(part, key) is not None:
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(part, **{key: "<redacted>"})})
+    return cfg
 
 
 class Tracker:
@@ -79,9 +92,11 @@ class Tracker:
             yield active.info.run_id
 
     def log_config(self) -> None:
-        params = {k: str(v)[:MAX_PARAM_LEN] for k, v in flatten(to_dict(self.cfg)).items()}
+        """The resolved config as params and ``config.yaml``, secrets (``SECRET_KEYS``) redacted."""
+        cfg = redacted(self.cfg)
+        params = {k: str(v)[:MAX_PARAM_LEN] for k, v in flatten(to_dict(cfg)).items()}
         self._mlflow.log_params(params)
-        self.log_text(to_yaml(self.cfg), "config.yaml")
+        self.log_text(to_yaml(cfg), "config.yaml")
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         if self.enabled:

@@ -26,7 +26,7 @@ import torch
 from components.config import ConfigError, ServeConfig, TargetConfig
 from components.drafters import DrafterError, load_drafter
 from components.drafters.capabilities import Capability, has
-from components.engine import BatchEngine
+from components.engine import AdaptiveDraftLength, BatchEngine, stored_round_times
 from components.serving.fallback import GuardedDrafter
 from components.serving.provenance import DrafterSource
 from components.target import load_target
@@ -93,14 +93,13 @@ def _policy(sc: ServeConfig, target: Any, drafter: Any, kwargs: dict[str, Any]) 
     """(the adaptive draft-length policy or None for fixed γ, where its round profile came from)."""
     if not sc.adaptive or drafter is None:
         return None, None
-    adaptive, stored_round_times = _adaptive_api()
     sizes = sorted({b for b in PROFILE_BATCH_SIZES if b < sc.max_ongoing_requests} | {1, sc.max_ongoing_requests})
     path = profile_path(sc, target, drafter, kwargs)
     try:
         rounds, reused = stored_round_times(path, target, drafter, sizes, **kwargs)
     except ValueError as err:
         raise ConfigError(f"serve.profile_dir: {err}") from None
-    return adaptive(round_time=rounds), f"{'stored' if reused else 'measured'}: {path.name}"
+    return AdaptiveDraftLength(round_time=rounds), f"{'stored' if reused else 'measured'}: {path.name}"
 
 
 def profile_path(sc: ServeConfig, target: Any, drafter: Any, kwargs: dict[str, Any]) -> Path:
@@ -110,19 +109,3 @@ def profile_path(sc: ServeConfig, target: Any, drafter: Any, kwargs: dict[str, A
     key = repr((str(target.name_or_path), type(drafter.drafter).__name__, params, sorted(kwargs.items()),
                 sc.max_ongoing_requests, str(target.device), str(target.dtype), torch.get_num_threads()))
     return Path(sc.profile_dir).expanduser() / f"round-profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-
-
-def _adaptive_api() -> tuple[Any, Any]:
-    """``AdaptiveDraftLength`` and ``stored_round_times``, from the engine package (where it
-    re-exports them) or the modules that define them."""
-    from components import engine
-
-    if hasattr(engine, "AdaptiveDraftLength") and hasattr(engine, "stored_round_times"):
-        return engine.AdaptiveDraftLength, engine.stored_round_times
-    from components.engine.schedule import AdaptiveDraftLength
-
-    try:
-        from components.engine.batch.profile import stored_round_times
-    except ImportError:
-        from components.engine.profile import stored_round_times  # type: ignore[no-redef]
-    return AdaptiveDraftLength, stored_round_times

@@ -187,10 +187,10 @@ class Replica:
             busy = now[5] - seen.counts[5]
             if busy > 0:
                 m.set("specline:generation_tokens_per_second", (now[4] - seen.counts[4]) / busy)
-            caps = eng.caps
-            for cap in caps[seen.caps:len(caps)]:
+            new = min(eng.capped_rounds - seen.caps, len(eng.caps))  # the engine keeps the last caps only
+            for cap in list(eng.caps)[len(eng.caps) - new:]:
                 m.observe("specline:spec_decode_draft_cap", float(cap))
-            seen.counts, seen.caps = now, len(caps)
+            seen.counts, seen.caps = now, eng.capped_rounds
             failures = self.parts.drafter.failures if self.parts.drafter is not None else 0
             m.inc("specline:spec_decode_fallbacks", failures - seen.failures)
             seen.failures = failures

@@ -64,3 +64,17 @@ def _no_leftover_active_run():
     yield
     while mlflow.active_run():
         mlflow.end_run()
+
+
+def test_secrets_are_not_logged(tmp_path: Path):
+    from components.config import ServeConfig
+
+    cfg = SpeclineConfig(run_dir=str(tmp_path / "runs"), serve=ServeConfig(api_key="sk-very-secret"))
+    tracker = Tracker(cfg)
+    with tracker.run("pipeline") as run_id:
+        pass
+    client = _client(cfg)
+    assert client.get_run(run_id).data.params["serve.api_key"] == "<redacted>"
+    local = client.download_artifacts(run_id, "config.yaml", str(tmp_path))
+    assert "sk-very-secret" not in Path(local).read_text()
+    assert cfg.serve.api_key == "sk-very-secret"  # the running config keeps it

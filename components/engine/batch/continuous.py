@@ -113,9 +113,14 @@ class BatchEngine:
         return [r.request.request_id for r in self.batch.rows]
 
     @property
-    def caps(self) -> list[int]:
-        """The draft cap chosen each round (rounds with speculating rows)."""
+    def caps(self) -> deque[int]:
+        """The draft cap chosen each of the last rounds with speculating rows (at most
+        ``CAPS_KEPT``; ``capped_rounds`` counts them all)."""
         return self.drafting.caps
+
+    @property
+    def capped_rounds(self) -> int:
+        return self.drafting.capped_rounds
 
     # ------------------------------------------------------------------ one round
     @torch.no_grad()

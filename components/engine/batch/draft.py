@@ -23,6 +23,7 @@ about verification or the target cache.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -49,6 +50,9 @@ def consume_rows(drafter: Any, states: list[Any], tokens: list[Tensor], hidden: 
     return [drafter.consume(s, t, h) for s, t, h in zip(states, tokens, hidden)]
 
 
+CAPS_KEPT = 4096  # caps a long-running engine remembers (for dashboards and benchmarks)
+
+
 class Drafting:
     """Caps, drafts and drafter updates of the batch's rows, for ``BatchEngine``."""
 
@@ -58,7 +62,8 @@ class Drafting:
         self.drafter, self.engines, self.policy = drafter, engines, policy
         self.max_cap = max_cap
         self.batched = drafter is not None and has(drafter, Capability.BATCHED_PROPOSE)
-        self.caps: list[int] = []  # the cap chosen each round (speculating rows only)
+        self.caps: deque[int] = deque(maxlen=CAPS_KEPT)  # the cap chosen each of the last rounds
+        self.capped_rounds = 0  # rounds that chose a cap, since the engine started
         self.defer_plain_updates = True  # plain rounds of speculating rows defer the drafter's update
 
     # ------------------------------------------------------------------ drafting
@@ -179,6 +184,7 @@ class Drafting:
         remaining = [r.remaining for r in rows] if draining else None
         cap = self.policy.cap(survival, self.max_cap, remaining=remaining)
         self.caps.append(cap)
+        self.capped_rounds += 1
         return cap
 
     def _row_estimate(self, row: Row, fallback: Tensor) -> Tensor:  # → [max_cap] float64
