@@ -146,6 +146,11 @@ class DrafterConfig:
     store_shared: bool = False  # also store frozen copies of embedding + LM head in checkpoints
     # DFlash/DSpark: a learned E_carry added to rejected target states (the carryover objective sets it)
     carryover: bool = False
+    # Reduced draft vocabulary (EAGLE-3's d2t/t2d, components/drafters/vocab.py): drafts are read out
+    # over this many target tokens only, the most frequent response tokens of the training rollouts
+    # (+ special/stop tokens); the target still verifies over its full vocabulary (lossless).
+    # None/0 (or the target's vocabulary size): the full vocabulary.
+    draft_vocab_size: int | None = None
 
 
 @dataclass

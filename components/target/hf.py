@@ -6,13 +6,18 @@ layer is captured *before* the final norm and the target distribution can be rec
 it with the frozen head: ``logits = lm_head(final_norm(h_last))``.
 
 This module knows how to load and run a target; it knows nothing about drafters, Ray or
-how the embedded default is built (it asks :mod:`components.target.tiny` for its path).
+how the embedded default is built (it asks :mod:`components.target.tiny` for its path, and
+:mod:`components.target.smollm2` for SmolLM2's, ``target.name_or_path: smollm2``).
+
+``target.dtype: auto`` is bfloat16 where the device computes it natively (a CUDA GPU with bf16,
+a CPU with AVX512-BF16 or AMX), else float32: for serving and benchmarks. Token-for-token tests
+stay in float32 (bfloat16 greedy output differs from float32's).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,8 @@ from transformers import (
 
 from components.config import EMBEDDED_TARGET, TargetConfig
 from components.target.attention import choose_attention
+from components.target.smollm2 import NAME as SMOLLM2_TARGET
+from components.target.smollm2 import ConversionError, ensure_smollm2_target
 from components.target.tiny import ensure_tiny_target
 from components.target.tokenizer import tokenizer_hash
 
@@ -44,9 +51,29 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), as torch probes it."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, p, lambda: False)()) for p in probes)
+
+
+def native_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and cpu_has_native_bf16()
+
+
+def auto_dtype(device: torch.device, has_bf16: Callable[[torch.device], bool] = native_bf16) -> torch.dtype:
+    """bfloat16 where ``device`` computes it natively (hence faster than float32), else float32."""
+    return torch.bfloat16 if has_bf16(device) else torch.float32
+
+
+def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """A ``target.dtype`` name → torch dtype; ``auto`` decides for ``device`` (default cpu)."""
+    if name == "auto":
+        return auto_dtype(device if device is not None else torch.device("cpu"))
     if name not in DTYPES:
-        raise TargetError(f"target.dtype: '{name}' is not one of {sorted(DTYPES)}")
+        raise TargetError(f"target.dtype: '{name}' is not one of {sorted([*DTYPES, 'auto'])}")
     return DTYPES[name]
 
 
@@ -161,16 +188,23 @@ def _looks_like_path(name: str) -> bool:
 
 
 def resolve_target_path(cfg: TargetConfig, progress: bool = True) -> str:
-    """The embedded default's cached checkpoint (built if missing), a local dir, or a hub id."""
+    """The embedded default's or SmolLM2's cached checkpoint (built or converted if missing), a
+    local dir, or a hub id."""
     if cfg.name_or_path == EMBEDDED_TARGET:
         path, _, _ = ensure_tiny_target(cfg, progress=progress)  # builds once, then cached
+        return str(path)
+    if cfg.name_or_path == SMOLLM2_TARGET:
+        try:
+            path, _, _ = ensure_smollm2_target(cfg, progress=progress)  # converts once, then cached
+        except ConversionError as err:
+            raise TargetError(str(err)) from None
         return str(path)
     if _looks_like_path(cfg.name_or_path):
         path = Path(cfg.name_or_path).expanduser()
         if not (path / "config.json").is_file():
             raise TargetError(
                 f"target.name_or_path: '{cfg.name_or_path}' is not a model directory "
-                "(no config.json there); give an HF checkpoint directory, a hub id, or 'embedded'"
+                "(no config.json there); give an HF checkpoint directory, a hub id, 'embedded' or 'smollm2'"
             )
         return str(path.resolve())
     return cfg.name_or_path
@@ -188,7 +222,8 @@ def check_tokenizer_matches(model: PreTrainedModel, tokenizer: PreTrainedTokeniz
 def load_target(cfg: TargetConfig, progress: bool = True) -> Target:
     """Loads the configured target (frozen, eval mode) on its configured device and dtype."""
     path = resolve_target_path(cfg, progress)
-    dtype, device = resolve_dtype(cfg.dtype), resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
