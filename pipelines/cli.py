@@ -14,9 +14,10 @@ from typing import Any
 from components.config import ConfigError, SpeclineConfig, load_cli
 from components.target.corpus import CorpusError
 from components.target.hf import TargetError
+from components.target.smollm2 import ConversionError
 from components.tracking import Tracker
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, CorpusError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, CorpusError, ConversionError)
 
 StageFn = Callable[[SpeclineConfig, Tracker, dict[str, Any]], dict[str, Any]]
 

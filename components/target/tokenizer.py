@@ -71,6 +71,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     return fast
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:
-    """Ids that end a generation: end of document and end of a chat turn."""
-    return [tokenizer.convert_tokens_to_ids(t) for t in (EOS, END)]
+STOP_TOKENS = (EOS, END, "<|im_end|>", "<|endoftext|>")  # this tokenizer's, then ChatML's (SmolLM2)
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids that end a generation: end of document and end of a chat turn, for this module's
+    tokenizer and ChatML ones (those the vocabulary has), else the tokenizer's eos."""
+    vocab = tokenizer.get_vocab()
+    return [vocab[t] for t in STOP_TOKENS if t in vocab] or [int(tokenizer.eos_token_id)]

@@ -39,6 +39,19 @@ def test_target_stage_logs_the_embedded_target(tmp_path, tiny_target_cfg, tiny_t
     assert "target/model.safetensors" in logged and "target/corpus" not in logged
 
 
+def test_target_stage_logs_the_converted_smollm2(tmp_path, smollm2_cfg, smollm2_build, capsys):
+    from pipelines.cli import main
+
+    path, info, _ = smollm2_build
+    assert main(target.run, "target", [f"conf={_conf(tmp_path, smollm2_cfg, ['target'])}"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["target_path"] == str(path) and result["num_layers"] == 30 and result["vocab_size"] == 49152
+    client, (run,) = _runs(tmp_path)
+    assert run.data.params["smollm2.gguf_sha256"] == info["source"]["gguf_sha256"]
+    assert run.data.metrics["conversion_exact"] == 1 and run.data.metrics["built_now"] == 0
+    assert "target/specline_target.json" in {a.path for a in client.list_artifacts(run.info.run_id, "target")}
+
+
 def test_full_pipeline_nests_stage_runs_under_the_pipeline_run(tmp_path, tiny_target_cfg, capsys):
     from pipelines.cli import main
 
