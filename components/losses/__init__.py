@@ -53,7 +53,6 @@ __all__ = [
     "confidence_terms",
     "decay_weights",
     "dpace_weights",
-    "tv_ce_confidence_loss",
     "e2e_tv_loss",
     "greedy_accepted",
     "kl_loss",
@@ -66,6 +65,7 @@ __all__ = [
     "opd_loss",
     "overlap_tv",
     "register_loss",
+    "tv_ce_confidence_loss",
     "tv_loss",
     "tv_terms",
 ]
