@@ -36,7 +36,7 @@ from components.tracking import Tracker, tracking_uri
 from components.training.chain import ObjectiveStage, resolve_chain
 from components.training.fit import copy_drafter, fit_objective, plan_steps, worker_config
 from components.training.heldout import evaluate_heldout
-from components.training.inputs import TrainInputs, train_inputs
+from components.training.inputs import TrainInputs, choose_draft_vocab, train_inputs
 from components.training.report import eval_metrics, objective_result, report_stage
 from pipelines.cli import main
 
@@ -70,6 +70,7 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     initial = build_drafter(cfg.drafter, target)
     init_ray(cfg.ray)
     inputs = train_inputs(cfg, upstream, target, initial.layer_ids)
+    initial = choose_draft_vocab(cfg, target, initial, inputs)  # drafter.draft_vocab_size: from the records
     tracker.log_params({"train.input": inputs.source, "train.num_train_records": inputs.num_train,
                         "train.num_heldout_records": len(inputs.heldout)})
     out = Path(cfg.train.output_dir).expanduser().resolve()

@@ -1,7 +1,8 @@
 """Drafters: one module per family behind one interface (base.py), registered by name.
 
 The trainer and the engine use only :class:`Drafter` methods and :func:`build_drafter` /
-:func:`load_drafter`; they never branch on a drafter's name. Importing this package registers
+:func:`load_drafter` (a reduced draft vocabulary: ``vocab.py``, chosen by :func:`with_draft_vocab`);
+they never branch on a drafter's name. Importing this package registers
 the built-in families (dspark, dflash, eagle3, medusa, mtp).
 """
 
@@ -26,7 +27,9 @@ from components.drafters.registry import (
     drafter_class,
     register_drafter,
     resolve_spec,
+    with_draft_vocab,
 )
+from components.drafters.vocab import DraftVocab, select_draft_vocab
 
 __all__ = [
     "DRAFTERS",
@@ -34,6 +37,7 @@ __all__ = [
     "DraftBatch",
     "DraftState",
     "DraftTrainOutput",
+    "DraftVocab",
     "Drafter",
     "DrafterError",
     "DrafterSpec",
@@ -46,5 +50,7 @@ __all__ = [
     "register_drafter",
     "resolve_spec",
     "save_drafter",
+    "select_draft_vocab",
     "spread_layer_ids",
+    "with_draft_vocab",
 ]

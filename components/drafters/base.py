@@ -1,8 +1,9 @@
-"""The one drafter interface that the trainer and the engine use, and the data it exchanges.
+"""The one drafter interface that the trainer and the engine use, and the data it exchanges
+(defined in ``exchange.py``, re-exported here).
 
 A drafter reads target hidden states at ``layer_ids`` (layer i = output of decoder layer i,
 0-based = HF ``hidden_states[i+1]``), shares the target's frozen embedding table and LM head
-(never registered as its own parameters), and proposes γ tokens per round: γ is
+(never registered as its own parameters; a draft vocabulary's own head is), and proposes γ tokens per round: γ is
 ``num_speculative_tokens`` in config and code (``gamma`` in formula code, the survey's symbol);
 a block drafter's ``block_size`` is the block layout, and ``max_speculative_tokens`` the most one
 block drafts. The adaptive engine's per-round cap G ≤ γ · ``loop_stages`` (``max_cap``).
@@ -23,6 +24,12 @@ Trainer protocol: ``drafter.training_forward(DraftBatch) -> DraftTrainOutput`` w
 at position a always predicts token ``x_{a+j+1}``; its target distribution is the frozen head on
 the target's last hidden state at ``a+j``.
 
+Vocabulary: with ``drafter.draft_vocab_size`` a drafter owns a draft vocabulary
+(``drafter.vocab``, :mod:`components.drafters.vocab`) and reads out over R = DV tokens, else
+through the shared head over R = V. Proposals are always in the target's terms (target ids,
+distributions over V); training outputs are in the readout's (R columns, draft ids, the
+target's distribution restricted to the draft vocabulary).
+
 This module knows nothing about particular drafter families, checkpoints files or engines.
 """
 
@@ -30,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,8 +44,16 @@ from torch import Tensor, nn
 
 from components.config import DrafterConfig
 from components.drafters.errors import DrafterError
-from components.drafters.layers import KV, LayerSizes
-from components.losses.common import LossInputs
+from components.drafters.exchange import (  # noqa: F401  (re-exported: the data of the interface)
+    DraftBatch,
+    DrafterSpec,
+    DraftState,
+    DraftTrainOutput,
+    Proposal,
+    SharedParts,
+    TargetInfo,
+)
+from components.drafters.vocab import DraftVocab
 from components.spec.sampling import GREEDY, SamplingParams, probs_from_logits
 
 if TYPE_CHECKING:
@@ -47,103 +61,6 @@ if TYPE_CHECKING:
 
 DEFAULT_SAMPLING = SamplingParams()  # temperature 1, no top-k/top-p
 LAYER_ID_CONVENTION = "layer i = output of decoder layer i (0-based) = HF hidden_states[i+1]"
-
-
-# ----------------------------------------------------------------------------- specs
-@dataclass(frozen=True)
-class TargetInfo:
-    """What a drafter must know about its target to refuse a different one."""
-
-    name_or_path: str
-    tokenizer_hash: str
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
-
-    @classmethod
-    def of(cls, target: Any) -> TargetInfo:
-        return cls(str(target.name_or_path), str(target.tokenizer_hash), int(target.hidden_size),
-                   int(target.vocab_size), int(target.num_layers))
-
-
-@dataclass(frozen=True)
-class DrafterSpec:
-    """A fully resolved drafter architecture: no None sizes, layer ids and mask id fixed."""
-
-    config: DrafterConfig  # every optional field filled in
-    sizes: LayerSizes  # draft decoder layer sizes
-    target: TargetInfo
-
-
-@dataclass
-class SharedParts:
-    """Frozen target parts a drafter borrows; kept outside its parameters and checkpoints."""
-
-    embed_tokens: nn.Module  # [V, H] embedding table
-    lm_head: nn.Module  # H -> V
-    final_norm: nn.Module  # the target's final norm (target logits from last hidden states)
-
-    @classmethod
-    def of(cls, target: Any) -> SharedParts:
-        return cls(target.embed_tokens, target.lm_head, target.final_norm)
-
-
-# ----------------------------------------------------------------------------- data
-@dataclass
-class DraftBatch:
-    """One training batch, as the data stage stores it."""
-
-    input_ids: Tensor  # [B, T] long
-    hidden: Tensor  # [B, T, n, H] target taps at drafter.layer_ids, in that order
-    last_hidden: Tensor  # [B, T, H] output of the target's last layer, before the final norm
-    loss_mask: Tensor | None = None  # [B, T] bool: the token at t is supervised (None: all)
-    anchors: Tensor | None = None  # [B, A] long anchor positions, -1 = unused (None: drafter picks)
-
-
-@dataclass
-class DraftTrainOutput:
-    """What the losses consume: N blocks of γ drafts; draft j of block n predicts x_{a_n+j+1}."""
-
-    draft_logits: Tensor  # [N, γ, V] the drafter's logits (after any causal head)
-    target_logits: Tensor | None  # [N, γ, V] frozen head on the target's last hidden states, detached
-    # (None when the forward ran with targets=False)
-    target_tokens: Tensor  # [N, γ] long, the data tokens (0 where invalid)
-    valid: Tensor  # [N, γ] bool, truncated at the first invalid position of each block
-    confidence_logits: Tensor | None = None  # [N, γ] confidence head logits c_k
-
-    def loss_inputs(self, position_weights: Tensor | None = None) -> LossInputs:
-        if self.target_logits is None:
-            raise DrafterError("loss_inputs: this output has no target logits (training_forward ran with "
-                               "targets=False); run it with targets=True to compute a loss")
-        return LossInputs(self.draft_logits, self.target_logits, self.target_tokens, self.valid,
-                          position_weights, self.confidence_logits)
-
-
-@dataclass
-class DraftState:
-    """A batch's drafter context: everything is per committed position, so rollback = crop.
-
-    ``carry`` is carryover context (methods-notes §3): K/V rows of the target's states of the
-    drafts the last verification rejected, at their original positions length.. . They are
-    valid for one round only: never counted in ``length``, dropped by ``consume``,
-    ``consume_own`` and ``rollback``; only the next ``propose`` reads them."""
-
-    length: int = 0  # committed context positions (tokens 0..length-1 consumed)
-    kv: list[KV] = field(default_factory=list)  # per attention layer: k, v [B, h_kv, length, d]
-    feats: Tensor | None = None  # [B, length, F] per-position features a drafter keeps
-    carry: list[KV] | None = None  # per attention layer: k, v [B, h_kv, carry_rows, d] (one round)
-    carry_rows: int = 0  # rows in ``carry`` (0: no carryover context)
-
-
-@dataclass
-class Proposal:
-    """One round's draft (verifier vocabulary: these are the draft tokens)."""
-
-    tokens: Tensor  # [B, γ] long, draft tokens x_n .. x_{n+γ-1}
-    logits: Tensor  # [B, γ, V] drafter logits each token was sampled from (before processing)
-    probs: Tensor  # [B, γ, V] q: the processed distribution each token was sampled from
-    confidences: Tensor | None = None  # [B, γ] σ(c_k): P(draft k accepted | prefix accepted)
-    states: Tensor | None = None  # [B, γ, H] the drafter's own state of each draft slot (DLoop)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -194,31 +111,43 @@ def sample_rows(logits: Tensor, samplings: list[SamplingParams],
 
 class RowDraws:
     """The draws of an autoregressive ``propose_many`` (one step over all rows at a time): each
-    step's logits [R, V] are sampled per row (``sample_rows``; a row past its own γ takes the
-    argmax, drawing nothing its batch-1 ``propose`` would not), and the steps are split back
-    into one ``Proposal`` [1, γ_i] per row."""
+    step's readout logits [R, D] (D = DV with a draft vocabulary, else V) are sampled per row
+    (``sample_rows``; a row past its own γ takes the argmax, drawing nothing its batch-1
+    ``propose`` would not), and the steps are split back into one ``Proposal`` [1, γ_i] per row,
+    in target ids over V."""
 
     def __init__(self, samplings: list[SamplingParams], per_row: list[int],
-                 generators: list[torch.Generator | None]):
-        self.samplings, self.per_row, self.generators = samplings, per_row, generators
-        self.tokens: list[Tensor] = []  # per step [R]
-        self.logits: list[Tensor] = []  # per step [R, V]
-        self.probs: list[Tensor] = []  # per step [R, V]
+                 generators: list[torch.Generator | None], vocab: DraftVocab | None = None):
+        self.samplings, self.per_row, self.generators, self.vocab = samplings, per_row, generators, vocab
+        self.tokens: list[Tensor] = []  # per step [R] target ids
+        self.logits: list[Tensor] = []  # per step [R, D]
+        self.probs: list[Tensor] = []  # per step [R, D]
 
     def draw(self, logits: Tensor) -> Tensor:
-        """This step's logits [R, V] → the rows' tokens [R]."""
+        """This step's readout logits [R, D] → the rows' tokens [R] (target ids)."""
         step = len(self.tokens)
         rows = [s if step < n else GREEDY for s, n in zip(self.samplings, self.per_row)]
         tokens, probs = sample_rows(logits, rows, self.generators)
+        tokens = self.vocab.to_target(tokens) if self.vocab is not None else tokens
         self.tokens.append(tokens)
         self.logits.append(logits)
         self.probs.append(probs)
         return tokens
 
     def proposals(self) -> list[Proposal]:
-        tokens, logits, probs = torch.stack(self.tokens, 1), torch.stack(self.logits, 1), torch.stack(self.probs, 1)
-        return [Proposal(tokens[i:i + 1, :n], logits[i:i + 1, :n], probs[i:i + 1, :n], None)
+        prop = target_proposal(self.vocab, torch.stack(self.tokens, 1), torch.stack(self.logits, 1),
+                               torch.stack(self.probs, 1))
+        return [Proposal(prop.tokens[i:i + 1, :n], prop.logits[i:i + 1, :n], prop.probs[i:i + 1, :n], None)
                 for i, n in enumerate(self.per_row)]
+
+
+def target_proposal(vocab: DraftVocab | None, tokens: Tensor, logits: Tensor, probs: Tensor,
+                    confidences: Tensor | None = None, states: Tensor | None = None) -> Proposal:
+    """A proposal in target terms from target-id tokens [B, γ] and readout logits/probs [B, γ, D]:
+    with a draft vocabulary they are spread into V (-inf logits, 0 probs outside it)."""
+    if vocab is not None:
+        logits, probs = vocab.widen(logits, float("-inf")), vocab.widen(probs, 0.0)
+    return Proposal(tokens, logits, probs, confidences, states)
 
 
 def block_tokens(
@@ -246,36 +175,60 @@ def block_targets(
     gamma: int,
     shared: SharedParts,
     logits: bool = True,
-) -> tuple[Tensor | None, Tensor, Tensor]:  # target logits [N, γ, V] | None, tokens [N, γ], valid [N, γ]
+    vocab: DraftVocab | None = None,
+) -> tuple[Tensor | None, Tensor, Tensor]:  # target logits [N, γ, R] | None, tokens [N, γ], valid [N, γ]
     """Targets of blocks anchored at ``anchors``: draft j predicts x_{a+j+1}; its target
     distribution is the frozen head on the target's last hidden state at a+j. ``logits=False``
-    skips the head (tokens and validity only, e.g. to count greedy acceptance)."""
+    skips the head (tokens and validity only, e.g. to count greedy acceptance). With a draft
+    ``vocab`` the logits are the head's rows of the draft vocabulary (the target restricted to it,
+    renormalised by any softmax), tokens are draft ids, and ``valid`` ends at the first data token
+    outside it (see :mod:`components.drafters.vocab` for why)."""
     tokens, valid = block_tokens(batch, anchors, gamma)
+    tokens, valid = tokens.view(-1, gamma), valid.view(-1, gamma)
+    if vocab is not None:
+        tokens, valid = vocab.restrict_tokens(tokens, valid)
     if not logits:
-        return None, tokens.view(-1, gamma), valid.view(-1, gamma)
+        return None, tokens, valid
     b, t = batch.input_ids.shape
     pos_c = (anchors.clamp_min(0).unsqueeze(-1) + torch.arange(gamma, device=anchors.device)).clamp_max(t - 1)
     h = torch.gather(batch.last_hidden, 1, pos_c.view(b, -1, 1).expand(-1, -1, batch.last_hidden.shape[-1]))
     with torch.no_grad():
-        target_logits = shared.lm_head(shared.final_norm(h))  # [B, A*γ, V]
-    v = target_logits.shape[-1]
-    return target_logits.view(-1, gamma, v), tokens.view(-1, gamma), valid.view(-1, gamma)
+        normed = shared.final_norm(h)
+        target_logits = vocab.target_logits(shared.lm_head, normed) if vocab is not None else shared.lm_head(normed)
+    return target_logits.view(-1, gamma, target_logits.shape[-1]), tokens, valid
+
+
+def train_output(
+    draft_logits: Tensor,  # [N, γ, R] drafts of the blocks at anchors
+    batch: DraftBatch,
+    anchors: Tensor,  # [B, A] long, -1 = unused (N = B·A)
+    shared: SharedParts,
+    targets: bool = True,
+    vocab: DraftVocab | None = None,
+    confidence_logits: Tensor | None = None,  # [N, γ]
+) -> DraftTrainOutput:
+    """The drafts with their targets (``block_targets``) and, with a draft vocabulary, the
+    validity before its cut (``reachable``)."""
+    gamma = draft_logits.shape[1]
+    target_logits, tokens, valid = block_targets(batch, anchors, gamma, shared, targets, vocab)
+    reachable = block_tokens(batch, anchors, gamma)[1].view(-1, gamma) if vocab is not None else None
+    return DraftTrainOutput(draft_logits, target_logits, tokens, valid, confidence_logits, reachable)
 
 
 def rows_at_anchors(
-    per_position: Tensor,  # [B, T, γ, V] drafts of the block anchored at every position
+    per_position: Tensor,  # [B, T, γ, R] drafts of the block anchored at every position
     batch: DraftBatch,
     default: Tensor,  # [B, A] anchors used when batch.anchors is None
     shared: SharedParts,
     targets: bool = True,
+    vocab: DraftVocab | None = None,
 ) -> DraftTrainOutput:
     """Keeps the blocks at ``batch.anchors`` (or ``default``) and attaches their targets
     (``targets=False``: no target logits, see :meth:`Drafter.training_forward`)."""
     anchors = batch.anchors if batch.anchors is not None else default
     gamma, v = per_position.shape[2:]
     draft = gather_positions(per_position, anchors).reshape(-1, gamma, v)
-    target_logits, tokens, valid = block_targets(batch, anchors, gamma, shared, logits=targets)
-    return DraftTrainOutput(draft, target_logits, tokens, valid, None)
+    return train_output(draft, batch, anchors, shared, targets, vocab)
 
 
 def gather_positions(x: Tensor, positions: Tensor) -> Tensor:
@@ -301,6 +254,8 @@ class Drafter(nn.Module, ABC):
         self.cfg = spec.config
         self.sizes = spec.sizes
         self._shared = [shared]  # a list: not registered as submodules, never saved
+        dv = spec.config.draft_vocab_size  # a draft vocabulary (None: read out over the full one)
+        self.vocab: DraftVocab | None = DraftVocab(spec.target.vocab_size, dv, spec.sizes.hidden_size) if dv else None
 
     @property
     def shared(self) -> SharedParts:
@@ -388,15 +343,60 @@ class Drafter(nn.Module, ABC):
         """Trainable parameters, excluding the target's shared frozen parts."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
-    def embed(self, ids: Tensor) -> Tensor:  # [B, ...] long -> [B, ..., H]
+    def embed(self, ids: Tensor) -> Tensor:  # [B, ...] long target ids -> [B, ..., H]
         return self.shared.embed_tokens(ids)
 
-    def lm_head(self, h: Tensor) -> Tensor:  # [..., H] -> [..., V]
-        return self.shared.lm_head(h)
+    def lm_head(self, h: Tensor) -> Tensor:  # [..., H] -> [..., R] readout logits
+        return self.readout_head(h)
+
+    # -- the readout vocabulary (components.drafters.vocab)
+    @property
+    def readout_size(self) -> int:
+        """R: the tokens drafts are read out over (DV with a draft vocabulary, else V)."""
+        return self.vocab.size if self.vocab is not None else self.spec.target.vocab_size
+
+    @property
+    def readout_head(self) -> nn.Module:
+        """H → R: the draft-vocabulary head, else the target's shared LM head."""
+        return self.vocab.readout() if self.vocab is not None else self.shared.lm_head
+
+    def use_readout_head(self, head: nn.Module) -> None:
+        """Reads out through an inference copy (e.g. int8, drafters.quantize); the target's own head
+        and the draft head's float weights (what checkpoints save) are left as they are."""
+        if self.vocab is not None:
+            self.vocab.use(head)
+        else:
+            self.shared = dataclasses.replace(self.shared, lm_head=head)
+
+    def set_draft_vocab(self, target_ids: Tensor) -> Drafter:
+        """Gives a drafter built with ``drafter.draft_vocab_size`` its vocabulary, sorted target ids
+        [DV]; the draft head starts as the target's LM-head rows of them. Returns self."""
+        if self.vocab is None:
+            raise DrafterError(f"drafter '{self.cfg.name}' was built without drafter.draft_vocab_size")
+        self.vocab.assign(target_ids, self.shared.lm_head.weight)
+        return self
+
+    def to_target(self, ids: Tensor) -> Tensor:  # [...] readout ids -> [...] target ids
+        return self.vocab.to_target(ids) if self.vocab is not None else ids
+
+    def full_logits(self, logits: Tensor) -> Tensor:  # [..., R] -> [..., V], -inf outside a draft vocabulary
+        return self.vocab.widen(logits, float("-inf")) if self.vocab is not None else logits
+
+    def draw(self, logits: Tensor, sampling: SamplingParams,
+             generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """Readout logits [..., R] → (tokens [...] in target ids, probs [..., R]) (``sample_tokens``)."""
+        tokens, probs = sample_tokens(logits, sampling, generator)
+        return self.to_target(tokens), probs
+
+    def proposal(self, tokens: Tensor, logits: Tensor, probs: Tensor, confidences: Tensor | None = None,
+                 states: Tensor | None = None) -> Proposal:
+        """tokens [B, γ] target ids, readout logits/probs [B, γ, R] → a Proposal over V."""
+        return target_proposal(self.vocab, tokens, logits, probs, confidences, states)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.cfg.name, "layer_ids": self.layer_ids, "parameters": self.num_parameters(),
-                "num_speculative_tokens": self.num_speculative_tokens, "sequential_passes": self.sequential_passes(self.num_speculative_tokens)}
+                "num_speculative_tokens": self.num_speculative_tokens, "readout_vocab": self.readout_size,
+                "sequential_passes": self.sequential_passes(self.num_speculative_tokens)}
 
 
 def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:

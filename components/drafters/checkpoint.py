@@ -3,11 +3,15 @@
 config.json is flat: every :class:`DrafterConfig` field as resolved (layer ids, mask token id,
 sizes...), the layer sizes copied from the target (hidden size, RoPE θ, RMSNorm ε), the layer-id
 convention, and the target it was trained for (model id, tokenizer hash, hidden size, vocabulary,
-layer count). The shared frozen embedding/LM head are stored only with ``store_shared``.
+layer count). The shared frozen embedding/LM head are stored only with ``store_shared``. A
+draft vocabulary is stored as weights: ``vocab.head.weight`` [DV, H], ``vocab.d2t`` [DV] int64
+offsets (target id = draft id + d2t), ``vocab.t2d`` [V] bool.
 
 Loading refuses, with a message that names every difference, a different target (hidden size,
 vocabulary, tokenizer hash, layer count), unknown config keys, and missing, unexpected or
-misshapen weights. Writes go to a temporary sibling directory renamed into place.
+misshapen weights (a draft vocabulary whose d2t/t2d/head sizes differ from config.json's
+``draft_vocab_size``), and d2t/t2d that disagree. Writes go to a temporary sibling directory
+renamed into place.
 Knows nothing about training state (optimizer, step): that is the trainer's checkpoint.
 """
 
@@ -45,7 +49,7 @@ _TARGET_FIELDS = {  # config.json key -> (TargetInfo field, what it is called in
 _SIZE_FIELDS = ("hidden_size", "rope_theta", "rms_norm_eps")
 # Config fields added after the format's first version, with the value that reproduces the
 # behaviour of checkpoints written before them (so those still load).
-ADDED_FIELDS = {"carryover": False}
+ADDED_FIELDS = {"carryover": False, "draft_vocab_size": None}
 _META_FIELDS = ("architectures", "model_type", "specline_format_version", "layer_id_convention",
                 "target_model_id", "torch_dtype")
 
@@ -72,6 +76,8 @@ def save_drafter(drafter: Drafter, path: str | Path, weights: dict[str, torch.Te
 
     ``weights``: the drafter's state dict to write instead of ``drafter.state_dict()`` (sharded
     training passes the gathered full tensors)."""
+    if drafter.vocab is not None:
+        drafter.vocab.readout()  # refuses a draft vocabulary that was never chosen
     tensors = dict(drafter.state_dict() if weights is None else weights)
     if drafter.cfg.store_shared:
         tensors["embed_tokens.weight"] = drafter.shared.embed_tokens.weight
@@ -168,4 +174,6 @@ def load_drafter(path: str | Path, target: Any, overrides: dict[str, Any] | None
     _check_shared(tensors, target, where)
     check_weights(drafter, tensors, where, allow_missing=new_keys)
     drafter.load_state_dict(tensors, strict=not new_keys)
+    if drafter.vocab is not None:
+        drafter.vocab.check(where)
     return drafter

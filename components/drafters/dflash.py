@@ -13,7 +13,8 @@ Readout layout (``sample_from_anchor``): True (DeepSpec) = slot k predicts x_{an
 x_{anchor+k}, γ = block_size − 1. Either way draft j predicts x_{anchor+j+1}.
 
 Inference keeps only committed context K/V (``DraftState.kv``); block K/V never persist, so
-rollback is a crop. Knows nothing about losses, verification or engines.
+rollback is a crop. With a draft vocabulary (``drafter.vocab``) the readout is over it and
+proposals come back in target ids. Knows nothing about losses, verification or engines.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ from components.drafters.base import (
     DraftTrainOutput,
     Proposal,
     SharedParts,
-    block_targets,
     gather_positions,
     is_greedy,
     row_settings,
-    sample_tokens,
+    train_output,
 )
 from components.drafters.capabilities import Capability
 from components.drafters.layers import (
@@ -200,11 +200,10 @@ class DFlashDrafter(Drafter):
         prev_pos = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(gamma, device=anchors.device)
         prev = gather_positions(batch.input_ids, prev_pos).reshape(-1, gamma)  # [N, γ] x_{a+j}
         logits, conf = self.train_readout(zd, prev)
-        target_logits, tokens, valid = block_targets(batch, anchors, gamma, self.shared, logits=targets)
-        return DraftTrainOutput(logits, target_logits, tokens, valid, conf)
+        return train_output(logits, batch, anchors, self.shared, targets, self.vocab, conf)
 
     def train_readout(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
-        """z [N, γ, H], previous tokens prev [N, γ] → logits [N, γ, V], confidence [N, γ] | None."""
+        """z [N, γ, H], previous target tokens prev [N, γ] → logits [N, γ, R], confidence [N, γ] | None."""
         return self.lm_head(z), None
 
     # ---------------------------------------------------------------- inference
@@ -336,6 +335,6 @@ class DFlashDrafter(Drafter):
     def sample_readout(self, z: Tensor, last_token: Tensor, sampling: SamplingParams,
                        generator: torch.Generator | None) -> Proposal:
         """z [B, γ, H], last_token [B] → a proposal; DFlash samples every slot independently."""
-        logits = self.lm_head(z)
-        tokens, probs = sample_tokens(logits, sampling, generator)
-        return Proposal(tokens, logits, probs, None)
+        logits = self.lm_head(z)  # [B, γ, R]
+        tokens, probs = self.draw(logits, sampling, generator)
+        return self.proposal(tokens, logits, probs)

@@ -13,6 +13,8 @@ Heads (reference/dspark-dflash-facts.md §2):
   draft k is accepted given its prefix was.
 
 Default layout: sample_from_anchor=True, so a block of 7 gives 7 drafts (slot k → x_{a+k+1}).
+With a draft vocabulary W1 stays [V, r] (previous tokens are target ids: the anchor may be any
+token) and W2 reads out over the DV draft tokens, as vLLM's DSpark lays them out.
 Knows nothing about the loss weights or the draft-length scheduler.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from components.drafters.base import DrafterError, DrafterSpec, Proposal, SharedParts, sample_tokens
+from components.drafters.base import DrafterError, DrafterSpec, Proposal, SharedParts
 from components.drafters.capabilities import Capability
 from components.drafters.dflash import DFlashDrafter
 from components.drafters.layers import init_weights
@@ -32,34 +34,35 @@ HEAD_TYPES = ("linear", "rnn", "none")
 
 
 class MarkovHead(nn.Module):
-    """bias(z_k, x_{k-1}) = W2(W1[x_{k-1}]); stateless, so training is parallel."""
+    """bias(z_k, x_{k-1}) = W2(W1[x_{k-1}]); stateless, so training is parallel. W1 [V, r] reads
+    target ids, W2 writes the R readout logits (R = DV with a draft vocabulary)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, readout_size: int | None = None):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, readout_size or vocab_size, bias=False)
 
     def prev_embed(self, prev: Tensor) -> Tensor:  # [...] long -> [..., r]
         return self.markov_w1(prev)
 
-    def teacher_forced(self, z: Tensor, prev: Tensor) -> Tensor:  # [N, γ, H], [N, γ] -> [N, γ, V]
+    def teacher_forced(self, z: Tensor, prev: Tensor) -> Tensor:  # [N, γ, H], [N, γ] -> [N, γ, R]
         return self.markov_w2(self.markov_w1(prev))
 
     def step(self, z: Tensor, prev: Tensor, carry: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """z [B, H], prev [B] → bias [B, V], carry (unused)."""
+        """z [B, H], prev [B] → bias [B, R], carry (unused)."""
         return self.markov_w2(self.markov_w1(prev)), carry
 
 
 class RNNHead(MarkovHead):
     """A gated recurrent state over the block's previous tokens."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
-        super().__init__(vocab_size, hidden_size, rank)
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, readout_size: int | None = None):
+        super().__init__(vocab_size, hidden_size, rank, readout_size)
         self.rank = rank
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
     def step(self, z: Tensor, prev: Tensor, carry: Tensor | None) -> tuple[Tensor, Tensor]:
-        """z [B, H], prev [B], carry s [B, r] | None → bias [B, V], new s [B, r]."""
+        """z [B, H], prev [B], carry s [B, r] | None → bias [B, R], new s [B, r]."""
         e = self.markov_w1(prev)
         s = carry if carry is not None else z.new_zeros(z.shape[0], self.rank)
         g, c, o = self.joint_proj(torch.cat([s, e, z], dim=-1)).chunk(3, dim=-1)
@@ -67,7 +70,7 @@ class RNNHead(MarkovHead):
         s = gate * s + (1 - gate) * torch.tanh(c)
         return self.markov_w2(torch.tanh(o)), s
 
-    def teacher_forced(self, z: Tensor, prev: Tensor) -> Tensor:  # [N, γ, H], [N, γ] -> [N, γ, V]
+    def teacher_forced(self, z: Tensor, prev: Tensor) -> Tensor:  # [N, γ, H], [N, γ] -> [N, γ, R]
         carry, out = None, []
         for j in range(z.shape[1]):
             bias, carry = self.step(z[:, j], prev[:, j], carry)
@@ -103,7 +106,7 @@ class DSparkDrafter(DFlashDrafter):
             raise DrafterError(f"drafter.markov_rank must be > 0 for markov_head='{kind}', got {rank}")
         vocab, hidden = spec.target.vocab_size, self.sizes.hidden_size
         head_cls = {"linear": MarkovHead, "rnn": RNNHead}.get(kind)
-        self.markov_head = head_cls(vocab, hidden, rank) if head_cls is not None else None
+        self.markov_head = head_cls(vocab, hidden, rank, self.readout_size) if head_cls is not None else None
         conf_rank = rank if self.markov_head is not None else 0
         self.confidence_head = ConfidenceHead(hidden, conf_rank) if self.cfg.enable_confidence_head else None
         for module in (self.markov_head, self.confidence_head):
@@ -117,7 +120,7 @@ class DSparkDrafter(DFlashDrafter):
         return self.confidence_head(z, prev_emb)
 
     def train_readout(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
-        """z [N, γ, H], prev [N, γ] (anchor then data tokens) → logits [N, γ, V], c [N, γ]."""
+        """z [N, γ, H], prev [N, γ] (anchor then data tokens) → logits [N, γ, R], c [N, γ]."""
         logits = self.lm_head(z)
         if self.markov_head is not None:
             logits = logits + self.markov_head.teacher_forced(z, prev)
@@ -125,8 +128,8 @@ class DSparkDrafter(DFlashDrafter):
 
     def sample_readout(self, z: Tensor, last_token: Tensor, sampling: SamplingParams,
                        generator: torch.Generator | None) -> Proposal:
-        """Left-to-right sampling: draft k's bias reads the token drafted at k−1."""
-        base = self.lm_head(z)  # [B, γ, V] one backbone pass already done
+        """Left-to-right sampling: draft k's bias reads the token drafted at k−1 (its target id)."""
+        base = self.lm_head(z)  # [B, γ, R] one backbone pass already done
         prev, carry = last_token, None
         tokens, logits, probs, prevs = [], [], [], []
         for j in range(z.shape[1]):
@@ -134,7 +137,7 @@ class DSparkDrafter(DFlashDrafter):
             if self.markov_head is not None:
                 bias, carry = self.markov_head.step(z[:, j], prev, carry)
                 logit_j = logit_j + bias
-            tok, p = sample_tokens(logit_j, sampling, generator)
+            tok, p = self.draw(logit_j, sampling, generator)  # target ids [B], probs [B, R]
             tokens.append(tok)
             logits.append(logit_j)
             probs.append(p)
@@ -142,7 +145,7 @@ class DSparkDrafter(DFlashDrafter):
             prev = tok
         c = self._confidence(z, torch.stack(prevs, dim=1))  # [B, γ] in one call, after the draws
         confidences = torch.sigmoid(c) if c is not None else None
-        return Proposal(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1), confidences)
+        return self.proposal(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1), confidences)
 
     def capabilities(self) -> frozenset[Capability]:
         caps = set(super().capabilities()) | {Capability.SLOT_HEADS}
@@ -156,6 +159,7 @@ class DSparkDrafter(DFlashDrafter):
         (the root's token at depth 0), so sibling branches get their own distributions."""
         def head(paths: Tensor, depth: Tensor, candidates: Tensor) -> Tensor:  # [n, γ+1], [n], [n, M]
             prev = paths.gather(1, depth[:, None])  # [n, 1] the node's token
-            logits, _ = self.train_readout(z[depth][:, None], prev)  # [n, 1, V]
-            return torch.log_softmax(logits[:, 0].float(), dim=-1).gather(1, candidates)
+            logits, _ = self.train_readout(z[depth][:, None], prev)  # [n, 1, R]
+            full = self.full_logits(logits[:, 0])  # [n, V]: -inf outside a draft vocabulary
+            return torch.log_softmax(full.float(), dim=-1).gather(1, candidates)
         return head

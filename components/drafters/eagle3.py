@@ -10,7 +10,8 @@ Training unrolls ``ttt_steps`` steps (training-time test): step s at base positi
 x_{j+s} with the step s−1 output and attends to step-0 keys at positions ≤ j plus its own
 chain's keys at j — exactly what inference sees. Inference keeps the step-0 K/V of committed
 positions and the fused features (``DraftState.feats``), so rollback is a crop.
-Knows nothing about draft vocabularies (d2t) — the exporter writes an identity map.
+With a draft vocabulary (``drafter.vocab``) each step reads out over it and feeds the drafted
+token back as its target id; knows nothing else about d2t/t2d (components/drafters/vocab.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from components.drafters.base import (
     gather_positions,
     row_settings,
     rows_at_anchors,
-    sample_tokens,
     spread_layer_ids,
 )
 from components.drafters.capabilities import Capability
@@ -142,7 +142,7 @@ class Eagle3Drafter(Drafter):
             keys.append(k)
             values.append(v)
             logits.append(self.lm_head(self.norm(g)))  # [B, T, V]: row j's draft s
-        return rows_at_anchors(torch.stack(logits, dim=2), batch, base, self.shared, targets)
+        return rows_at_anchors(torch.stack(logits, dim=2), batch, base, self.shared, targets, self.vocab)
 
     def consume(self, state: DraftState, tokens: Tensor, hidden: Tensor) -> DraftState:
         """Only K/V are needed for committed positions: one projection, no attention."""
@@ -171,12 +171,12 @@ class Eagle3Drafter(Drafter):
             x = self.midlayer.inputs(self.embed(tok.unsqueeze(1)), g)
             g, (k, v) = self.midlayer(x, g, pos, past, None)
             past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)) if past is not None else (k, v)
-            logits = self.lm_head(self.norm(g[:, 0]))
-            tok, probs = sample_tokens(logits, sampling, generator)
+            logits = self.lm_head(self.norm(g[:, 0]))  # [B, R]
+            tok, probs = self.draw(logits, sampling, generator)  # target ids [B], probs [B, R]
             out_tokens.append(tok)
             out_logits.append(logits)
             out_probs.append(probs)
-        return Proposal(torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(out_probs, 1), None)
+        return self.proposal(torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(out_probs, 1))
 
     @torch.no_grad()
     def capabilities(self) -> frozenset[Capability]:
@@ -196,11 +196,11 @@ class Eagle3Drafter(Drafter):
         zeros = torch.zeros(1, 1, self.sizes.hidden_size, device=dev, dtype=self.fc.weight.dtype)
         g = torch.cat([s.feats[:, -1:] if s.feats is not None else zeros for s in states])  # [R, 1, H]
         pos = torch.tensor([s.length for s in states], device=dev)[:, None]  # [R, 1]
-        tok, draws = last_tokens, RowDraws(samplings, per_row, gens)
+        tok, draws = last_tokens, RowDraws(samplings, per_row, gens, self.vocab)
         for step in range(max(per_row)):
             mask = torch.cat([seen, seen.new_ones(r, step + 1)], dim=1)[:, None, None, :]  # [R, 1, 1, W+s+1]
             x = self.midlayer.inputs(self.embed(tok.unsqueeze(1)), g)
             g, (k, v) = self.midlayer(x, g, pos + step, past, mask)
             past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)) if past is not None else (k, v)
-            tok = draws.draw(self.lm_head(self.norm(g[:, 0])))  # logits [R, V] → tokens [R]
+            tok = draws.draw(self.lm_head(self.norm(g[:, 0])))  # readout logits [R, D] → target ids [R]
         return draws.proposals()

@@ -30,7 +30,6 @@ from components.drafters.base import (
     is_greedy,
     row_settings,
     rows_at_anchors,
-    sample_tokens,
 )
 from components.drafters.capabilities import Capability
 from components.drafters.eagle3 import shift_right
@@ -75,7 +74,7 @@ class MedusaDrafter(Drafter):
     def _normed(self, hidden: Tensor) -> Tensor:  # [B, T, n, H] -> [B, T, H] final-normed last tap
         return self.shared.final_norm(hidden[:, :, -1]).to(self.blocks[0].layers[0].weight.dtype)
 
-    def _heads(self, h: Tensor, gamma: int) -> Tensor:  # [..., H] -> [..., γ, V]
+    def _heads(self, h: Tensor, gamma: int) -> Tensor:  # [..., H] -> [..., γ, R]
         if gamma > len(self.blocks):
             raise DrafterError(f"medusa has {len(self.blocks)} heads, asked for {gamma} drafts")
         return torch.stack([self.lm_head(block(h)) for block in self.blocks[:gamma]], dim=-2)
@@ -87,8 +86,11 @@ class MedusaDrafter(Drafter):
         h = shift_right(self._normed(batch.hidden))  # row a reads h_{a-1}; row 0 has none
         if batch.anchors is None:
             batch = dataclasses.replace(batch, anchors=torch.arange(1, t, device=h.device).expand(b, t - 1))
-        out = rows_at_anchors(self._heads(h, gamma), batch, batch.anchors, self.shared, targets)
-        out.valid &= (batch.anchors >= 1).reshape(-1, 1)
+        out = rows_at_anchors(self._heads(h, gamma), batch, batch.anchors, self.shared, targets, self.vocab)
+        has_h = (batch.anchors >= 1).reshape(-1, 1)
+        out.valid &= has_h
+        if out.reachable is not None:
+            out.reachable &= has_h
         return out
 
     def consume(self, state: DraftState, tokens: Tensor, hidden: Tensor) -> DraftState:
@@ -101,9 +103,9 @@ class MedusaDrafter(Drafter):
                 generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
         if state.feats is None:
             raise DrafterError("medusa needs at least one consumed position before proposing")
-        logits = self._heads(state.feats[:, -1], num_speculative_tokens or self.num_speculative_tokens)  # [B, γ, V]
-        tokens, probs = sample_tokens(logits, sampling, generator)
-        return Proposal(tokens, logits, probs, None)
+        logits = self._heads(state.feats[:, -1], num_speculative_tokens or self.num_speculative_tokens)  # [B, γ, R]
+        tokens, probs = self.draw(logits, sampling, generator)
+        return self.proposal(tokens, logits, probs)
 
     def capabilities(self) -> frozenset[Capability]:
         return frozenset({Capability.BATCHED_PROPOSE})
@@ -118,10 +120,11 @@ class MedusaDrafter(Drafter):
             raise DrafterError("medusa needs at least one consumed position before proposing")
         r = len(states)
         per_row, samplings, gens = row_settings(r, sampling, num_speculative_tokens, generators, self.num_speculative_tokens)
-        logits = self._heads(torch.cat([s.feats[:, -1] for s in states]), max(per_row))  # [R, γ, V]
+        logits = self._heads(torch.cat([s.feats[:, -1] for s in states]), max(per_row))  # [R, γ, D]
         if all(is_greedy(s) for s in samplings):  # no randomness: one argmax, then each row's γ
-            tokens, probs = sample_tokens(logits, samplings[0], None)
-            return [Proposal(tokens[i:i + 1, :n], logits[i:i + 1, :n], probs[i:i + 1, :n], None)
+            tokens, probs = self.draw(logits, samplings[0], None)
+            p = self.proposal(tokens, logits, probs)
+            return [Proposal(p.tokens[i:i + 1, :n], p.logits[i:i + 1, :n], p.probs[i:i + 1, :n], None)
                     for i, n in enumerate(per_row)]
-        draws = [sample_tokens(logits[i:i + 1, :n], samplings[i], gens[i]) for i, n in enumerate(per_row)]
-        return [Proposal(t, logits[i:i + 1, :n], p, None) for i, (n, (t, p)) in enumerate(zip(per_row, draws))]
+        draws = [self.draw(logits[i:i + 1, :n], samplings[i], gens[i]) for i, n in enumerate(per_row)]
+        return [self.proposal(t, logits[i:i + 1, :n], p) for i, (n, (t, p)) in enumerate(zip(per_row, draws))]

@@ -32,7 +32,6 @@ from components.drafters.base import (
     gather_positions,
     row_settings,
     rows_at_anchors,
-    sample_tokens,
 )
 from components.drafters.capabilities import Capability
 from components.drafters.eagle3 import shift_right
@@ -110,10 +109,10 @@ class MTPDrafter(Drafter):
         for s in range(gamma):
             module = self._module(s)
             out, _ = module(emb, g, pos, None, mask)
-            logits = self.lm_head(module.norm(out))  # [B, T, V], position j predicts x_{j+1}
+            logits = self.lm_head(module.norm(out))  # [B, T, R], position j predicts x_{j+1}
             drafts.append(gather_positions(logits, pos + s))  # block anchored at a: step s at a+s
             g = shift_right(out)
-        return rows_at_anchors(torch.stack(drafts, dim=2), batch, pos, self.shared, targets)
+        return rows_at_anchors(torch.stack(drafts, dim=2), batch, pos, self.shared, targets, self.vocab)
 
     def consume(self, state: DraftState, tokens: Tensor, hidden: Tensor) -> DraftState:
         b, t = tokens.shape
@@ -147,12 +146,12 @@ class MTPDrafter(Drafter):
             pos = torch.full((b, 1), state.length + s, device=tok.device, dtype=torch.long)
             g, kv = self.layers[m](self.embed(tok.unsqueeze(1)), g, pos, past, None)
             temps[m] = _concat_kv(temps.get(m), kv)
-            logits = self.lm_head(self.layers[m].norm(g[:, 0]))
-            tok, probs = sample_tokens(logits, sampling, generator)
+            logits = self.lm_head(self.layers[m].norm(g[:, 0]))  # [B, R]
+            tok, probs = self.draw(logits, sampling, generator)  # target ids [B], probs [B, R]
             out_tokens.append(tok)
             out_logits.append(logits)
             out_probs.append(probs)
-        return Proposal(torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(out_probs, 1), None)
+        return self.proposal(torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(out_probs, 1))
 
     @torch.no_grad()
     def capabilities(self) -> frozenset[Capability]:
@@ -172,14 +171,14 @@ class MTPDrafter(Drafter):
         g = torch.cat([s.feats[:, -1:, :hsz] if s.feats is not None else zeros for s in states])  # [R, 1, H]
         pos = torch.tensor([s.length for s in states], device=dev)[:, None]  # [R, 1]
         temps: dict[int, KV] = {}
-        tok, draws = last_tokens, RowDraws(samplings, per_row, gens)
+        tok, draws = last_tokens, RowDraws(samplings, per_row, gens, self.vocab)
         for step in range(max(per_row)):
             m = min(step, len(self.layers) - 1)
             (past, seen), own = committed[m], temps.get(m)
             mask = torch.cat([seen, seen.new_ones(r, (own[0].shape[2] if own else 0) + 1)], 1)[:, None, None, :]
             g, kv = self.layers[m](self.embed(tok.unsqueeze(1)), g, pos + step, _concat_kv(past, own), mask)
             temps[m] = _concat_kv(own, kv)
-            tok = draws.draw(self.lm_head(self.layers[m].norm(g[:, 0])))  # logits [R, V] → tokens [R]
+            tok = draws.draw(self.lm_head(self.layers[m].norm(g[:, 0])))  # readout logits [R, D] → target ids [R]
         return draws.proposals()
 
 

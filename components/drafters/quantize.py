@@ -4,20 +4,21 @@ A block drafter reads out γ slots through the target's frozen LM head, [γ, H] 
 CPU that fp32 matrix product can be most of a small drafter's cost (``docs/results.md`` has the
 measurements). Drafts need not be exact: the target verifies them with its own fp32 head, so
 output stays lossless and only acceptance can change. ``int8_lm_head`` gives the drafter its own
-dynamically quantized copy (per-channel int8 weights, int8 activations per call); the target's
-head, and training, are untouched.
+dynamically quantized copy (per-channel int8 weights, int8 activations per call) of its readout
+head: the shared LM head, or with a draft vocabulary its reduced head [DV, H] (both savings
+multiply); the target's head, the draft head's float weights (checkpoints) and training are
+untouched.
 
 The kernels are PyTorch's fbgemm dynamic-quantized linear ops (``torch.ops.quantized``), the
 fast int8 path on x86 CPUs in the pinned torch; PyTorch marks quantized tensors deprecated (in
 favour of torchao), so this is an opt-in, and a torch without them fails at ``int8_lm_head``
 with its own error rather than silently falling back.
 
-Knows nothing about drafter families: it swaps ``drafter.shared.lm_head`` only.
+Knows nothing about drafter families: it swaps ``drafter.readout_head`` only.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any
 
@@ -51,9 +52,9 @@ class Int8Linear(nn.Module):
 
 
 def int8_lm_head(drafter: Any) -> Any:
-    """Gives ``drafter`` (in place, returned) an int8 copy of the shared LM head for its readout."""
-    head = drafter.shared.lm_head
+    """Gives ``drafter`` (in place, returned) an int8 copy of its readout head (H → R)."""
+    head = drafter.readout_head
     if not isinstance(head, nn.Linear):
-        raise TypeError(f"int8 drafter head: the target's LM head is a {type(head).__name__}, not nn.Linear")
-    drafter.shared = dataclasses.replace(drafter.shared, lm_head=Int8Linear(head))
+        raise TypeError(f"int8 drafter head: the readout head is a {type(head).__name__}, not nn.Linear")
+    drafter.use_readout_head(Int8Linear(head))
     return drafter

@@ -1,8 +1,10 @@
 """Drafters by name: the only place that maps a config's ``name`` to a class.
 
 ``build_drafter(cfg, target)`` resolves every optional field of a :class:`DrafterConfig` against
-the target (layer ids, sizes copied from the target's HF config, mask token id, γ) and builds
-the drafter with the target's frozen embedding/LM head. Adding a drafter = one module with a
+the target (layer ids, sizes copied from the target's HF config, mask token id, γ, the draft
+vocabulary's size) and builds the drafter with the target's frozen embedding/LM head. A draft
+vocabulary is data: ``token_counts`` (of the training rollouts' response tokens) choose it, at
+build time or later with :func:`with_draft_vocab`. Adding a drafter = one module with a
 ``@register_drafter("name")`` class, imported in ``components/drafters/__init__.py``.
 This module knows nothing about any family's internals.
 """
@@ -11,6 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch import Tensor
 
 from components.config import DrafterConfig
 from components.drafters.base import (
@@ -22,6 +27,7 @@ from components.drafters.base import (
     resolved,
 )
 from components.drafters.layers import LayerSizes
+from components.drafters.vocab import select_draft_vocab, special_token_ids
 
 DRAFTERS: dict[str, type[Drafter]] = {}
 
@@ -100,15 +106,49 @@ def resolve_spec(cfg: DrafterConfig, target: Any) -> DrafterSpec:
                                                          f"most {limit})" if limit else ""))
     full = resolved(full, num_speculative_tokens=cfg.num_speculative_tokens or cls.default_num_speculative_tokens(full),
                     intermediate_size=sizes.intermediate_size, num_heads=sizes.num_heads,
-                    num_kv_heads=sizes.num_kv_heads, head_dim=sizes.head_dim)
+                    num_kv_heads=sizes.num_kv_heads, head_dim=sizes.head_dim,
+                    draft_vocab_size=resolve_draft_vocab_size(cfg.draft_vocab_size, int(target.vocab_size)))
     return DrafterSpec(full, sizes, TargetInfo.of(target))
 
 
+def resolve_draft_vocab_size(size: int | None, vocab_size: int) -> int | None:
+    """None/0 and the full size mean the full vocabulary (None); else 1..V-1."""
+    if not size or size == vocab_size:
+        return None
+    if not 0 < size < vocab_size:
+        raise DrafterError(f"drafter.draft_vocab_size: {size} is not in 1..{vocab_size} (the target has {vocab_size} "
+                           "tokens; 0 or null = the full vocabulary)")
+    return int(size)
+
+
 def build_from_spec(spec: DrafterSpec, target: Any) -> Drafter:
+    """The drafter of ``spec``; a draft vocabulary is left to choose (token counts or a state dict)."""
     drafter = drafter_class(spec.config.name)(spec, SharedParts.of(target))
     return drafter.to(device=target.device, dtype=target.dtype)
 
 
-def build_drafter(cfg: DrafterConfig, target: Any) -> Drafter:
-    """A freshly initialised drafter for ``target`` (the trainer's entry point)."""
-    return build_from_spec(resolve_spec(cfg, target), target)
+def build_drafter(cfg: DrafterConfig, target: Any, token_counts: Tensor | None = None) -> Drafter:
+    """A freshly initialised drafter for ``target`` (the trainer's entry point). With
+    ``drafter.draft_vocab_size``, ``token_counts`` [V] (response tokens of the training rollouts)
+    choose its vocabulary; without them it stays to be chosen (:func:`with_draft_vocab`)."""
+    drafter = build_from_spec(resolve_spec(cfg, target), target)
+    if drafter.vocab is not None and token_counts is not None:
+        with_draft_vocab(drafter, target, token_counts)
+    return drafter
+
+
+def with_draft_vocab(drafter: Drafter, target: Any, token_counts: Tensor) -> Drafter:
+    """Chooses ``drafter``'s draft vocabulary (in place, returned): the ``draft_vocab_size`` most
+    frequent tokens of ``token_counts`` [V] (ties by id) plus ``target``'s special/stop tokens."""
+    if drafter.vocab is None:
+        raise DrafterError(f"drafter '{drafter.cfg.name}' has the full vocabulary (drafter.draft_vocab_size unset)")
+    raw = torch.as_tensor(token_counts).flatten().double()
+    counts = torch.zeros(int(target.vocab_size), dtype=torch.float64)  # [V], ids past the records' max are 0
+    counts[:min(counts.shape[0], raw.shape[0])] = raw[:counts.shape[0]]
+    return drafter.set_draft_vocab(select_draft_vocab(counts, drafter.vocab.size, target_special_ids(target)))
+
+
+def target_special_ids(target: Any) -> list[int]:
+    """The special and stop tokens ``target`` may emit (always kept in a draft vocabulary)."""
+    generation = getattr(getattr(target, "model", None), "generation_config", None)
+    return special_token_ids(target.tokenizer, getattr(generation, "eos_token_id", None))

@@ -7,10 +7,9 @@ target's alone (tests/components/export/test_export_vllm.py).
 * eagle3 — native: Llama config, ``architectures: ["LlamaForCausalLMEagle3"]``, ``midlayer.*``;
   speculators: ``speculators_model_type: "eagle3"``, ``layers.0.*``, ``transformer_layer_config``
   with ``model_type: "llama"`` (vLLM picks Eagle3LlamaForCausalLM from it: our midlayer has no
-  q/k norm). Both carry ``fc.weight`` [H, 3·H_t], ``norm.weight``, a copy of the target's
-  ``lm_head.weight`` and ``norm_before_residual: false`` (the residual is the un-normed hidden;
-  vLLM's speculators default is true). No ``d2t``/``t2d``: the draft vocabulary is the full one,
-  and vLLM 0.32 refuses a ``d2t`` when the draft and target vocabularies are equal.
+  q/k norm). Both carry ``fc.weight`` [H, 3·H_t], ``norm.weight``, ``lm_head.weight`` and
+  ``norm_before_residual: false`` (the residual is the un-normed hidden; vLLM's speculators
+  default is true).
 * dflash / dspark — native: ``architectures: ["DFlashDraftModel"|"DSparkDraftModel"]`` with
   ``model_type: "qwen3"`` (vLLM maps the latter to Qwen3DSparkModel), ``dflash_config:
   {mask_token_id, target_layer_ids}``; DSpark's head fields (``markov_rank``, ``block_size``,
@@ -22,6 +21,17 @@ target's alone (tests/components/export/test_export_vllm.py).
   "none" are refused.
 * medusa — native: ``architectures: ["MedusaModel"]``, ``blocks.{k}.layers.{j}`` (with biases:
   ``medusa_fc_bias: true``, vLLM's default is false), ``lm_heads.{k}``.
+
+Vocabulary (``readout_tensors``): with the full one, ``lm_head.weight`` is a copy of the target's
+head (EAGLE-3; block drafters share it from the target) and there is no ``d2t``/``t2d`` (vLLM
+0.32 refuses a ``d2t`` when the draft and target vocabularies are equal). With a draft
+vocabulary (``drafter.vocab``): ``draft_vocab_size`` DV in the config (``vocab_size`` stays V),
+the draft head as ``lm_head.weight`` [DV, H], ``d2t`` [DV] int64 offsets (vLLM's
+``draft_id_to_target_id``: target id = draft id + d2t[draft id]) and ``t2d`` [V] bool (which vLLM
+skips), for EAGLE-3 and DFlash/DSpark alike: vLLM's eagle3, dflash and dspark models read them
+(a reduced DFlash/DSpark must ship its own ``lm_head``); DSpark's ``markov_head.markov_w2`` is
+then [DV, r]. vLLM's Medusa maps a truncated vocabulary its own way (``token_map``): a Medusa
+with a draft vocabulary is refused.
 
 Layer ids are translated from specline's convention (layer i = output of decoder layer i):
 vLLM EAGLE-3 aux ids name the layer whose *input* is captured (i+1); the speculators DFlash/
@@ -55,6 +65,7 @@ from components.io import write_checkpoint_dir
 Tensors = dict[str, torch.Tensor]
 LAYOUTS = ("speculators", "native")
 MARKOV_TYPES = {"linear": "vanilla"}  # specline -> DeepSpec/vLLM names (the only head vLLM has)
+VOCAB_PREFIX = "vocab."  # the draft vocabulary's weights in a drafter's state dict
 NATIVE_ARCHS = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
 SPECULATOR_ARCHS = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}
 # Drafter weights no engine layout has, left out of exports: name -> why
@@ -100,8 +111,10 @@ def strip(tensors: Tensors, prefix: str) -> Tensors:
 
 
 def own_tensors(drafter: Drafter) -> Tensors:
-    """The drafter's weights, without the training-only ones (each dropped with a warning)."""
-    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    """The drafter's weights, without the training-only ones (each dropped with a warning) and
+    without its draft vocabulary (``vocab.*``: written by :func:`readout_tensors`)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()
+               if not k.startswith(VOCAB_PREFIX)}
     for key in sorted(set(tensors) & set(TRAINING_ONLY)):
         del tensors[key]
         log.warning("%s export: leaving out %s (%s)", drafter.registry_name, key, TRAINING_ONLY[key])
@@ -112,12 +125,22 @@ def lm_head_copy(drafter: Drafter) -> torch.Tensor:
     return drafter.shared.lm_head.weight.detach().contiguous().cpu().clone()
 
 
+def readout_tensors(drafter: Drafter, shared_head: bool) -> Tensors:
+    """The readout in EAGLE-3's layout: with a draft vocabulary its head ``lm_head.weight`` [DV, H],
+    ``d2t`` [DV] int64 (target = draft + d2t[draft]) and ``t2d`` [V] bool; else a copy of the
+    target's head, or nothing when the engine shares it from the target (``shared_head``)."""
+    vocab = drafter.vocab
+    if vocab is None:
+        return {} if shared_head else {"lm_head.weight": lm_head_copy(drafter)}
+    return {"lm_head.weight": vocab.head.weight.detach().contiguous().cpu().clone(),
+            "d2t": vocab.d2t.detach().cpu().to(torch.int64).clone(), "t2d": vocab.t2d.detach().cpu().clone()}
+
+
 # ----------------------------------------------------------------------------- families
 def eagle3_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, Any], Tensors]:
     aux = [i + 1 for i in drafter.layer_ids]  # vLLM captures the input of layer i+1
-    vocab = drafter.spec.target.vocab_size
-    tensors = own_tensors(drafter)
-    tensors["lm_head.weight"] = lm_head_copy(drafter)  # full vocabulary: no d2t/t2d (see above)
+    vocab = drafter.readout_size  # draft_vocab_size: DV, or V (no d2t/t2d then, see above)
+    tensors = {**own_tensors(drafter), **readout_tensors(drafter, shared_head=False)}
     layer = layer_config(drafter, target, "llama")
     if layout == "native":
         config = dict(layer, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
@@ -150,7 +173,7 @@ def block_fields(drafter: Drafter) -> dict[str, Any]:
 
 def block_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, Any], Tensors]:
     kind = drafter.registry_name  # "dflash" | "dspark": a name, not a branch
-    tensors = strip(own_tensors(drafter), "backbone.")
+    tensors = {**strip(own_tensors(drafter), "backbone."), **readout_tensors(drafter, shared_head=True)}
     extra = block_fields(drafter)
     common = {"block_size": int(drafter.cfg.block_size), "mask_token_id": int(drafter.cfg.mask_token_id),
               "sample_from_anchor": bool(drafter.cfg.sample_from_anchor)}
@@ -160,7 +183,7 @@ def block_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, 
                           "(use dspark, or sample_from_anchor=False)")
     if layout == "native":
         config = dict(layer_config(drafter, target, "qwen3"),
-                      architectures=[NATIVE_ARCHS[kind]],
+                      architectures=[NATIVE_ARCHS[kind]], draft_vocab_size=drafter.readout_size,
                       num_target_layers=drafter.spec.target.num_layers, block_size=common["block_size"],
                       dflash_config={"mask_token_id": common["mask_token_id"], "target_layer_ids": drafter.layer_ids,
                                      "sample_from_anchor": common["sample_from_anchor"], **extra},
@@ -171,7 +194,7 @@ def block_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, 
         "speculators_config": speculators_config(drafter, target, kind),
         "transformer_layer_config": layer_config(drafter, target, "qwen3"),
         "aux_hidden_state_layer_ids": [i + 1 for i in drafter.layer_ids],  # vLLM: target ids = these − 1
-        "draft_vocab_size": drafter.spec.target.vocab_size,
+        "draft_vocab_size": drafter.readout_size,
         "target_hidden_size": drafter.spec.target.hidden_size, **common, **extra,
     }
     return config, tensors
@@ -180,6 +203,9 @@ def block_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, 
 def medusa_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, Any], Tensors]:
     if layout != "native":
         raise ExportError("medusa: only the native vLLM Medusa layout is written (layout='native')")
+    if drafter.vocab is not None:
+        raise ExportError("medusa: vLLM's Medusa maps a truncated vocabulary with its own token_map, not d2t; "
+                          "a Medusa with drafter.draft_vocab_size is not exported (train it with the full vocabulary)")
     tensors = own_tensors(drafter)
     heads = int(drafter.cfg.medusa_heads)
     tensors.update({f"lm_heads.{k}.weight": lm_head_copy(drafter) for k in range(heads)})

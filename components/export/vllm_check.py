@@ -55,13 +55,16 @@ REFUSED_ON_CPU = {"dspark": "Model Runner V1 does not support: dspark speculativ
 
 # ----------------------------------------------------------------------------- weight check
 def _find(t, params: dict[str, Any], covered: dict[str, Any]) -> tuple[str, int] | None:
-    """(param name, dim-0 offset) of a parameter whose rows [off, off+len(t)) equal t; a match on
-    rows not covered yet wins (identical tensors, e.g. Medusa's LM-head copies, go one per param)."""
+    """(param name, dim-0 offset) of a parameter of the same kind (float or integer) whose rows
+    [off, off+len(t)) equal t; a match on rows not covered yet wins (identical tensors, e.g.
+    Medusa's LM-head copies, go one per param)."""
     import torch
 
     hits = []
     for name, p in params.items():
         if p.dim() != t.dim() or p.shape[1:] != t.shape[1:] or (p.dim() and p.shape[0] < t.shape[0]):
+            continue
+        if p.dtype.is_floating_point != t.dtype.is_floating_point:  # a float cast to an int id map could "match"
             continue
         tt = t.to(device=p.device, dtype=p.dtype)
         if t.dim() == 0:

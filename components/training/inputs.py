@@ -12,16 +12,27 @@
   epoch regenerates with the same per-prompt seeds); the held-out prompts are rolled out once,
   before training, by an actor pool of the same kind. Both must fit on the cluster at once
   (:func:`check_stream_resources`).
+* **Draft vocabulary** (``drafter.draft_vocab_size``): shards also give the training split's
+  response-token counts (``TrainInputs.token_counts``, two columns read once);
+  :func:`choose_draft_vocab` gives the initial drafter its vocabulary from them and writes it to
+  ``<train.output_dir>/draft_vocab`` (config.json + d2t/t2d safetensors), which every Ray Train
+  worker building a fresh drafter reads (:func:`shared_draft_vocab`); later objectives load
+  checkpoints, which carry it. A stream has no records before training: refused.
 
-Knows the data stage's readers and streams, Ray Data and the held-out split; nothing about
-Ray Train, MLflow or drafter families.
+Knows the data stage's readers and streams, Ray Data, the held-out split and the drafter
+registry's vocabulary step; nothing about Ray Train, MLflow or drafter families.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
 
 from components.config import ConfigError, SpeclineConfig
 from components.data.prompts import collect_prompts
@@ -32,12 +43,18 @@ from components.data.records import (
     batch_to_records,
     check_meta,
     split_rows,
+    table_to_batch,
     table_to_records,
 )
 from components.data.shards import load_manifest, read_tables
 from components.data.source import describe_target
 from components.data.stream import rollout_stream
+from components.drafters.base import Drafter
+from components.drafters.registry import with_draft_vocab
+from components.io import write_checkpoint_dir
 from components.training.heldout import heldout_ids
+
+VOCAB_DIR, VOCAB_WEIGHTS = "draft_vocab", "draft_vocab.safetensors"
 
 
 @dataclass
@@ -48,6 +65,7 @@ class TrainInputs:
     dataset: Any  # ray.data.Dataset of record rows, the training split (lazy for a stream)
     num_train: int  # training records per epoch
     heldout: list[Record]  # the held-out split, in memory
+    token_counts: np.ndarray | None = None  # [max id + 1] int64 response tokens of the training split (shards)
 
 
 def train_inputs(cfg: SpeclineConfig, upstream: dict[str, Any], target: TargetIdentity,
@@ -77,7 +95,58 @@ def shard_inputs(cfg: SpeclineConfig, data_dir: Path, target: TargetIdentity, la
     held = heldout_ids(ids, cfg.train.eval_fraction, cfg.train.seed)
     split = [split_rows(t, held) for t in tables]  # (train, held-out) per shard
     heldout = [r for _, part in split for r in table_to_records(part)]
-    return TrainInputs("shards", ray.data.from_arrow([part for part, _ in split]), len(ids) - len(held), heldout)
+    train = [part for part, _ in split]
+    return TrainInputs("shards", ray.data.from_arrow(train), len(ids) - len(held), heldout, response_counts(train))
+
+
+def response_counts(tables: list[Any]) -> np.ndarray:  # -> [max id + 1] int64
+    """How often each token id is a supervised (loss-masked) response token in ``tables``."""
+    counts = np.zeros(1, dtype=np.int64)
+    for table in tables:
+        batch = table_to_batch(table.select(["input_ids", "loss_mask"]))
+        for ids, mask in zip(batch["input_ids"], batch["loss_mask"]):
+            found = np.bincount(np.asarray(ids, dtype=np.int64)[np.asarray(mask).astype(bool)])
+            counts = np.pad(counts, (0, max(0, found.shape[0] - counts.shape[0])))
+            counts[:found.shape[0]] += found
+    return counts
+
+
+def choose_draft_vocab(cfg: SpeclineConfig, target: Any, drafter: Drafter, inputs: TrainInputs) -> Drafter:
+    """With ``drafter.draft_vocab_size``: gives ``drafter`` (in place, returned) the training split's
+    most frequent response tokens (+ special/stop tokens) and writes them for the workers; else a no-op."""
+    if drafter.vocab is None:
+        return drafter
+    if inputs.token_counts is None:
+        raise ConfigError(f"drafter.draft_vocab_size={drafter.vocab.size} chooses the draft vocabulary from the "
+                          f"training records, which a {inputs.source} input does not have before training: "
+                          "use data.mode=shards (or train.data_dir), or drafter.draft_vocab_size=0")
+    with_draft_vocab(drafter, target, torch.from_numpy(inputs.token_counts))
+    meta = {"draft_vocab_size": drafter.vocab.size, "target_vocab_size": drafter.vocab.vocab_size,
+            "target_tokenizer_hash": drafter.spec.target.tokenizer_hash, "counted_records": inputs.num_train}
+    tensors = {"d2t": drafter.vocab.d2t.cpu(), "t2d": drafter.vocab.t2d.cpu()}
+    write_checkpoint_dir(vocab_dir(cfg), meta, tensors, VOCAB_WEIGHTS)
+    return drafter
+
+
+def vocab_dir(cfg: SpeclineConfig) -> Path:
+    return Path(cfg.train.output_dir).expanduser().resolve() / VOCAB_DIR
+
+
+def shared_draft_vocab(cfg: SpeclineConfig, drafter: Drafter) -> Drafter:
+    """A worker's fresh drafter gets the vocabulary :func:`choose_draft_vocab` wrote (no-op without one)."""
+    if drafter.vocab is None:
+        return drafter
+    where = vocab_dir(cfg)
+    if not (where / VOCAB_WEIGHTS).is_file():
+        raise ConfigError(f"{where}: no draft vocabulary; the train stage chooses it before training starts")
+    meta = json.loads((where / "config.json").read_text())
+    want = {"draft_vocab_size": drafter.vocab.size, "target_vocab_size": drafter.vocab.vocab_size,
+            "target_tokenizer_hash": drafter.spec.target.tokenizer_hash}
+    diffs = [f"{k}: written {meta.get(k)!r}, drafter {v!r}" for k, v in want.items() if meta.get(k) != v]
+    if diffs:
+        raise ConfigError(f"{where}: the draft vocabulary was chosen for another drafter/target: " + "; ".join(diffs))
+    d2t = load_file(str(where / VOCAB_WEIGHTS))["d2t"]
+    return drafter.set_draft_vocab(torch.arange(d2t.shape[0]) + d2t)
 
 
 def stream_inputs(cfg: SpeclineConfig, target: TargetIdentity, layer_ids: list[int]) -> TrainInputs:

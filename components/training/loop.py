@@ -31,6 +31,7 @@ import torch.distributed as dist
 from components.config import SpeclineConfig
 from components.drafters import build_drafter, load_drafter
 from components.training import sharding
+from components.training.inputs import shared_draft_vocab
 from components.training.objectives import ObjectiveContext, build_objective, objective_class
 from components.training.padding import numpy_batch_to_draft
 from components.training.resume import (
@@ -179,6 +180,7 @@ def _drafter_and_objective(config: dict[str, Any], cfg: SpeclineConfig, target: 
         drafter = load_drafter(config["init_drafter"], target, dict(cls.drafter_overrides) or None)
     else:
         drafter = build_drafter(dataclasses.replace(cfg.drafter, **cls.drafter_overrides), target)
+        drafter = shared_draft_vocab(cfg, drafter)  # the vocabulary the train stage chose (if any)
     objective = build_objective(stage["name"], drafter, build_train_loss(cfg.train), stage["params"],
                                 ObjectiveContext(target=target))
     return drafter, objective

@@ -62,7 +62,7 @@ def accepted_at(drafter: Drafter, batch: DraftBatch, anchors: Tensor) -> tuple[T
     """Greedy accepted count and checkable drafts [B, A] of the blocks at anchors [B, A] (-1 unused)."""
     out = drafter.training_forward(dataclasses.replace(batch, anchors=anchors), targets=False)  # no target head
     m = greedy_accepted(out.draft_logits, out.target_tokens, out.valid)
-    return m.view(anchors.shape), out.valid.sum(1).view(anchors.shape)
+    return m.view(anchors.shape), out.checkable().sum(1).view(anchors.shape)  # a draft-vocab miss is checked
 
 
 def _first_response(loss_mask: Tensor) -> list[int]:  # [B, T] -> per row, -1 without response

@@ -5,6 +5,9 @@ the fixture target alone once (greedy, 4 prompts × 32 tokens), then the target 
 under ``speculative_config``. Drafters are random but every weight is perturbed, so the value-based
 weight check (see vllm_check's doc) is unambiguous. DSpark cannot run on vLLM's CPU model runner:
 the test asserts that exact refusal, that vLLM parsed the export as asked and loaded every weight.
+The ``-dv`` exports have a draft vocabulary of 128 random ones of the 512 tokens (``d2t`` → vLLM's
+``draft_id_to_target_id``; ``t2d`` skipped by design), so the target's greedy output almost
+surely needs tokens outside it, which only the target's own choice supplies.
 ``make test`` builds .venv-vllm (``make vllm-env``); without it the module is skipped.
 """
 
@@ -42,9 +45,14 @@ EXPORTS = [
     ("medusa-native", {"name": "medusa", "medusa_heads": 3}, "native"),
     ("dspark-speculators", {"name": "dspark", "num_layers": 2}, "speculators"),
     ("dspark-native", {"name": "dspark", "num_layers": 2}, "native"),
+    ("eagle3-dv-speculators", {"name": "eagle3", "draft_vocab_size": 128}, "speculators"),
+    ("eagle3-dv-native", {"name": "eagle3", "draft_vocab_size": 128}, "native"),
+    ("dflash-dv-speculators", {"name": "dflash", "num_layers": 2, "draft_vocab_size": 128}, "speculators"),
+    ("dspark-dv-speculators", {"name": "dspark", "num_layers": 2, "draft_vocab_size": 128}, "speculators"),
 ]
 RUNS_ON_CPU = [e for e, cfg, _ in EXPORTS if cfg["name"] != "dspark"]
 DSPARK = [e for e, cfg, _ in EXPORTS if cfg["name"] == "dspark"]
+DRAFT_VOCAB = [e for e, cfg, _ in EXPORTS if cfg.get("draft_vocab_size")]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +64,8 @@ def vllm_results(tiny_target, tiny_target_build, tmp_path_factory):
     drafters = {}
     for i, (eid, cfg, layout) in enumerate(EXPORTS):
         torch.manual_seed(i)
-        d = build_drafter(DrafterConfig(**cfg), tiny_target)
+        counts = torch.randperm(tiny_target.vocab_size, generator=torch.Generator().manual_seed(i)).double()
+        d = build_drafter(DrafterConfig(**cfg), tiny_target, counts)  # counts: only a draft vocabulary reads them
         with torch.no_grad():  # distinct values everywhere (norms start as ones, Medusa as zeros)
             for p in d.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
@@ -85,7 +94,8 @@ def test_vllm_loads_and_is_lossless(vllm_results, eid):
     assert len(w["placed"]) + len(w["ignored_by_design"]) == w["export_tensors"]
     assert run["outputs_equal"], (run.get("outputs"), report["reference"])
     acc = run["acceptance"]
-    assert acc["num_speculative_tokens"] > 0 and acc["num_draft_tokens"] == acc["num_speculative_tokens"] * drafters[eid].num_speculative_tokens
+    # vLLM's counters: rounds (num_drafts) × γ = draft tokens
+    assert acc["num_drafts"] > 0 and acc["num_draft_tokens"] == acc["num_drafts"] * drafters[eid].num_speculative_tokens
     assert 0 <= acc["num_accepted_tokens"] <= acc["num_draft_tokens"]
 
 
@@ -111,3 +121,12 @@ def test_dspark_parsed_and_loaded_but_refused_on_cpu(vllm_results, eid):
     assert w["unused"] == [] and w["uninitialized"] == [], w
     assert any(k.startswith("markov_head.") for k in w["placed"])
     assert any(k.startswith("confidence_head.") for k in w["placed"])
+
+
+@pytest.mark.parametrize("eid", DRAFT_VOCAB)
+def test_draft_vocab_map_is_loaded(vllm_results, eid):
+    runs, _, drafters = vllm_results
+    w = runs[eid]["weights"]
+    assert w["placed"]["d2t"].startswith("draft_id_to_target_id[0:128]"), w["placed"]
+    assert w["ignored_by_design"] == ["t2d"] and "lm_head.weight" in w["placed"]
+    assert drafters[eid].vocab.size == 128

@@ -1,0 +1,126 @@
+"""What drafters exchange with the trainer and the engine: specs, batches, outputs, state, proposals.
+
+Plain dataclasses with a shape comment on every tensor field; :mod:`components.drafters.base`
+re-exports them beside the interface that produces and consumes them. R is the readout
+vocabulary (V, or DV with a draft vocabulary, :mod:`components.drafters.vocab`). Knows nothing
+about drafter families, checkpoints or engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from components.config import DrafterConfig
+from components.drafters.errors import DrafterError
+from components.drafters.layers import KV, LayerSizes
+from components.losses.common import LossInputs
+
+
+# ----------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a drafter must know about its target to refuse a different one."""
+
+    name_or_path: str
+    tokenizer_hash: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, target: Any) -> TargetInfo:
+        return cls(str(target.name_or_path), str(target.tokenizer_hash), int(target.hidden_size),
+                   int(target.vocab_size), int(target.num_layers))
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A fully resolved drafter architecture: no None sizes, layer ids and mask id fixed."""
+
+    config: DrafterConfig  # every optional field filled in
+    sizes: LayerSizes  # draft decoder layer sizes
+    target: TargetInfo
+
+
+@dataclass
+class SharedParts:
+    """Frozen target parts a drafter borrows; kept outside its parameters and checkpoints."""
+
+    embed_tokens: nn.Module  # [V, H] embedding table
+    lm_head: nn.Module  # H -> V
+    final_norm: nn.Module  # the target's final norm (target logits from last hidden states)
+
+    @classmethod
+    def of(cls, target: Any) -> SharedParts:
+        return cls(target.embed_tokens, target.lm_head, target.final_norm)
+
+
+# ----------------------------------------------------------------------------- data
+@dataclass
+class DraftBatch:
+    """One training batch, as the data stage stores it."""
+
+    input_ids: Tensor  # [B, T] long
+    hidden: Tensor  # [B, T, n, H] target taps at drafter.layer_ids, in that order
+    last_hidden: Tensor  # [B, T, H] output of the target's last layer, before the final norm
+    loss_mask: Tensor | None = None  # [B, T] bool: the token at t is supervised (None: all)
+    anchors: Tensor | None = None  # [B, A] long anchor positions, -1 = unused (None: drafter picks)
+
+
+@dataclass
+class DraftTrainOutput:
+    """What the losses consume: N blocks of γ drafts; draft j of block n predicts x_{a_n+j+1}.
+
+    R is the readout vocabulary: V, or DV with a draft vocabulary (then tokens are draft ids and
+    a data token outside the draft vocabulary ends its block's ``valid`` positions)."""
+
+    draft_logits: Tensor  # [N, γ, R] the drafter's logits (after any causal head)
+    target_logits: Tensor | None  # [N, γ, R] frozen head on the target's last hidden states, detached
+    # (None when the forward ran with targets=False)
+    target_tokens: Tensor  # [N, γ] long, the data tokens in readout ids (0 where invalid)
+    valid: Tensor  # [N, γ] bool, truncated at the first invalid position of each block
+    confidence_logits: Tensor | None = None  # [N, γ] confidence head logits c_k
+    reachable: Tensor | None = None  # [N, γ] bool, valid before the draft-vocabulary cut (None: = valid)
+
+    def checkable(self) -> Tensor:  # [N, γ] bool
+        """Drafts a greedy round checks: ``reachable`` (a data token outside the draft vocabulary
+        is checked and rejected), else ``valid``."""
+        return self.valid if self.reachable is None else self.reachable
+
+    def loss_inputs(self, position_weights: Tensor | None = None) -> LossInputs:
+        if self.target_logits is None:
+            raise DrafterError("loss_inputs: this output has no target logits (training_forward ran with "
+                               "targets=False); run it with targets=True to compute a loss")
+        return LossInputs(self.draft_logits, self.target_logits, self.target_tokens, self.valid,
+                          position_weights, self.confidence_logits)
+
+
+@dataclass
+class DraftState:
+    """A batch's drafter context: everything is per committed position, so rollback = crop.
+
+    ``carry`` is carryover context (methods-notes §3): K/V rows of the target's states of the
+    drafts the last verification rejected, at their original positions length.. . They are
+    valid for one round only: never counted in ``length``, dropped by ``consume``,
+    ``consume_own`` and ``rollback``; only the next ``propose`` reads them."""
+
+    length: int = 0  # committed context positions (tokens 0..length-1 consumed)
+    kv: list[KV] = field(default_factory=list)  # per attention layer: k, v [B, h_kv, length, d]
+    feats: Tensor | None = None  # [B, length, F] per-position features a drafter keeps
+    carry: list[KV] | None = None  # per attention layer: k, v [B, h_kv, carry_rows, d] (one round)
+    carry_rows: int = 0  # rows in ``carry`` (0: no carryover context)
+
+
+@dataclass
+class Proposal:
+    """One round's draft (verifier vocabulary: these are the draft tokens), in target terms
+    whatever the drafter's readout: with a draft vocabulary, -inf logits / 0 probs outside it."""
+
+    tokens: Tensor  # [B, γ] long, draft tokens x_n .. x_{n+γ-1} (target ids)
+    logits: Tensor  # [B, γ, V] drafter logits each token was sampled from (before processing)
+    probs: Tensor  # [B, γ, V] q: the processed distribution each token was sampled from
+    confidences: Tensor | None = None  # [B, γ] σ(c_k): P(draft k accepted | prefix accepted)
+    states: Tensor | None = None  # [B, γ, H] the drafter's own state of each draft slot (DLoop)
