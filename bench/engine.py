@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import components.drafters  # noqa: F401  (registers every family)
 from components.config import DrafterConfig, EvalConfig, TargetConfig
+from components.drafters.capabilities import Capability, has
 from components.drafters.checkpoint import load_drafter
 from components.drafters.quantize import int8_lm_head
 from components.drafters.registry import build_drafter
@@ -120,7 +121,7 @@ def main() -> None:
             target, dspark, "greedy", gamma, budget=args.tree_budget)} if args.tree_budget else {}),
         **({f"{label.split()[0]} causal tree {args.tree_budget}": lambda p, ref: TreeEngine(
             target, dspark, "greedy", gamma, budget=args.tree_budget, builder="causal")}
-           if args.tree_budget and hasattr(dspark, "causal_tree_head") else {}),
+           if args.tree_budget and has(dspark, Capability.CAUSAL_TREE_HEAD) else {}),
         "prompt lookup": lambda p, ref: SpeculativeEngine(
             target, PromptLookupDrafter(target.vocab_size, gamma or 7, device=target.device), "greedy"),
         "oracle (upper bound)": lambda p, ref: SpeculativeEngine(

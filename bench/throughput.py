@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import components.drafters  # noqa: F401  (registers every family)
 from components.config import EvalConfig, TargetConfig
+from components.drafters.base import Drafter
 from components.drafters.checkpoint import load_drafter
 from components.drafters.quantize import int8_lm_head
 from components.engine import PromptLookupDrafter
@@ -137,7 +138,7 @@ def main() -> None:
     print(f"{'conc':>4} {'reqs':>4} {'method':<24}{'tok/s':>9}{'tau':>7}{'cap':>6}{'prefill':>10}{'vs plain':>10}")
     modes = ("fixed", "adaptive", "tree") if args.tree_budget else ("fixed", "adaptive")
     methods = [("plain", None, "")] + [(name, d, mode) for name, d in drafters.items() for mode in modes
-                                       if mode != "tree" or hasattr(d, "parameters")]  # trees: model drafters
+                                       if mode != "tree" or isinstance(d, Drafter)]  # trees: model drafters
     for conc in levels:
         seconds: dict[str, list[float]] = {}
         shown: dict[str, tuple[float, float, float]] = {}
