@@ -282,6 +282,7 @@ class ServeConfig:
     retry_after_s: int = 1
     health_check_period_s: float = 10.0
     health_check_timeout_s: float = 30.0
+    access_log: bool = False  # true: Ray Serve logs one line per request (on the console too)
     # Engine (components/engine)
     num_speculative_tokens: int | None = None  # γ; None: the drafter's own default
     sampled_rule: str = "gumbel"  # temperature > 0: gumbel (same seed, same output) | speculative | block

@@ -77,6 +77,7 @@ def deployment_options(sc: ServeConfig) -> dict[str, Any]:
         "health_check_period_s": sc.health_check_period_s, "health_check_timeout_s": sc.health_check_timeout_s,
         "ray_actor_options": {"num_cpus": sc.cpus_per_replica, "num_gpus": sc.gpus_per_replica},
         "max_constructor_retry_count": 1,  # a drafter that does not fit its target fails at once, named
+        "logging_config": {"enable_access_log": sc.access_log},
     }
     if sc.autoscaling:
         opts["autoscaling_config"] = {"min_replicas": sc.min_replicas, "max_replicas": sc.max_replicas,
