@@ -50,6 +50,7 @@ _SIZE_FIELDS = ("hidden_size", "rope_theta", "rms_norm_eps")
 # Config fields added after the format's first version, with the value that reproduces the
 # behaviour of checkpoints written before them (so those still load).
 ADDED_FIELDS = {"carryover": False, "draft_vocab_size": None}
+RENAMED_FIELDS = {"num_drafts": "num_speculative_tokens"}  # old config.json name -> today's
 _META_FIELDS = ("architectures", "model_type", "specline_format_version", "layer_id_convention",
                 "target_model_id", "torch_dtype")
 
@@ -106,6 +107,7 @@ def check_target(raw: dict[str, Any], target: Any, where: str) -> None:
 
 def spec_from_config(raw: dict[str, Any], where: str) -> DrafterSpec:
     names = {f.name for f in dataclasses.fields(DrafterConfig)}
+    raw = {RENAMED_FIELDS.get(k, k): v for k, v in raw.items()}  # checkpoints written under an old name
     known = names | set(_SIZE_FIELDS) | set(_META_FIELDS) | set(_TARGET_FIELDS)
     unknown = sorted(set(raw) - known)
     raw = {**ADDED_FIELDS, **raw}  # checkpoints written before a field existed get its old behaviour

@@ -120,3 +120,11 @@ def test_checkpoint_from_before_a_field_existed_loads_with_the_old_behaviour(tin
     (path / "config.json").write_text(json.dumps(raw))
     loaded = load_drafter(path, tiny_target)
     assert loaded.cfg.carryover is False and not hasattr(loaded, "carry_embed")
+
+
+def test_checkpoint_with_an_old_field_name_loads(tiny_target, dr, tmp_path):
+    path = save_drafter(dr.make(tiny_target, "dspark", num_speculative_tokens=5), tmp_path / "d")
+    raw = json.loads((path / "config.json").read_text())
+    raw["num_drafts"] = raw.pop("num_speculative_tokens")  # written before the rename
+    (path / "config.json").write_text(json.dumps(raw))
+    assert load_drafter(path, tiny_target).num_speculative_tokens == 5
