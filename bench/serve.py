@@ -38,6 +38,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+POLL_WAIT_S = 1.0
+
+
 @dataclass
 class Run:
     """One request as the client saw it."""
@@ -127,23 +130,28 @@ def closed_loop(url: str, bodies: list[dict[str, Any]], concurrency: int) -> tup
     return runs, time.perf_counter() - t0
 
 
-def spec_counters(url: str) -> tuple[float, float]:
-    """(drafts, accepted tokens) from the server's /metrics (vLLM's names; 0 when absent)."""
+COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
+            "specline:spec_decode_draft_cap_sum", "specline:spec_decode_draft_cap_count")
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    """Drafts, accepted tokens and the draft-cap histogram's sum and count from the server's
+    /metrics (vLLM's names and specline's; 0 when absent)."""
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
     try:
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
     except (OSError, http.client.HTTPException):
-        return 0.0, 0.0
+        return dict.fromkeys(COUNTERS, 0.0)
     finally:
         conn.close()
-    total = {"vllm:spec_decode_num_drafts_total": 0.0, "vllm:spec_decode_num_accepted_tokens_total": 0.0}
+    total = dict.fromkeys(COUNTERS, 0.0)
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in total:
             total[name] += float(line.rsplit(" ", 1)[1])
-    return total["vllm:spec_decode_num_drafts_total"], total["vllm:spec_decode_num_accepted_tokens_total"]
+    return total
 
 
 # ----------------------------------------------------------------------------- report
@@ -226,10 +234,14 @@ def main() -> None:
             one_request(url, bodies[0])  # warm-up, not timed
             before = spec_counters(url)
             runs, secs = closed_loop(url, bodies, conc)
-            after = spec_counters(url)
-            drafts = after[0] - before[0]
-            tau = 1 + (after[1] - before[1]) / drafts if drafts > 0 else None
+            time.sleep(POLL_WAIT_S)  # the replica copies engine counters into its metrics every 0.5 s
+            diff = {k: v - before[k] for k, v in spec_counters(url).items()}
+            drafts, capped = diff[COUNTERS[0]], diff[COUNTERS[3]]
+            tau = 1 + diff[COUNTERS[1]] / drafts if drafts > 0 else None
             tps = report(conc, mode, runs, secs, tau, base)
+            if capped > 0:
+                print(f"{'':>4} {mode:<8} mean draft cap {diff[COUNTERS[2]] / capped:.2f} over {capped:.0f} rounds "
+                      f"({drafts:.0f} drafting rounds)")
             base = base or tps
 
 
