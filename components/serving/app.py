@@ -157,47 +157,60 @@ async def start(replica: Replica, params: GenerateParams, arrival: float) -> tup
 
 
 # ----------------------------------------------------------------------------- the deployment
+async def respond(replica: Replica, model: str, params: Any, arrival: float) -> Any:
+    """A checked generation request's response: an SSE stream, or one JSON body."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    rid, first, gen = await start(replica, params, arrival)
+    if params.stream:
+        return StreamingResponse(events(rid, model, params, first, gen), media_type="text/event-stream")
+    try:
+        return JSONResponse(await collect(rid, model, params, first, gen))
+    finally:
+        await gen.aclose()
+
+
+def build_replica(cfg: SpeclineConfig, target_path: str, source: DrafterSource, model: str) -> Replica:
+    """One replica's engine parts (target, guarded drafter, batch engine) behind a ``Replica``."""
+    from components.serving.parts import build_parts
+    from components.serving.telemetry import ServingMetrics
+
+    sc = cfg.serve
+    parts = build_parts(cfg.target, sc, target_path, source)
+    replica = Replica(parts, served_for(parts.target, sc, model), sc.max_queued_requests, sc.sampled_rule,
+                      sc.overload_status, sc.retry_after_s, source.label if source.path else None,
+                      ServingMetrics(model, export_to_ray=True))
+    log.info("replica up in %.1f s: %s, drafter %s", parts.startup_seconds, model, source.label)
+    return replica
+
+
 def make_server_class() -> type:
     """The FastAPI app and the Serve deployment class, made on call (no import-time app)."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
     from ray import serve
 
-    api = FastAPI(title="specline", docs_url=None, redoc_url=None)
-    _error_handlers(api)
+    api = new_api()
 
     @serve.ingress(api)
     class SpeclineServer:
         """One replica: a target + drafter engine behind the OpenAI routes."""
 
         def __init__(self, cfg: SpeclineConfig, target_path: str, source: DrafterSource, api_key: str | None):
-            from components.serving.parts import build_parts
-            from components.serving.telemetry import ServingMetrics
-
-            sc = cfg.serve
-            parts = build_parts(cfg.target, sc, target_path, source)
-            self.model, self.source, self.api_key, self.sc = model_id(cfg), source, api_key, sc
-            served = served_for(parts.target, sc, self.model)
-            self.replica = Replica(parts, served, sc.max_queued_requests, sc.sampled_rule, sc.overload_status,
-                                   sc.retry_after_s, source.label if source.path else None,
-                                   ServingMetrics(self.model, export_to_ray=True))
-            log.info("replica up in %.1f s: %s, drafter %s", parts.startup_seconds, self.model, source.label)
+            self.model, self.source, self.api_key, self.sc = model_id(cfg), source, api_key, cfg.serve
+            self.replica = build_replica(cfg, target_path, source, self.model)
 
         def check_health(self) -> None:
             self.replica.check_health()
 
+        async def _body(self, request: Request) -> Any:
+            """The request's JSON body, once its API key checks out."""
+            check_key(request, self.api_key)
+            return parse_json(await read_body(request, self.sc.max_body_bytes))
+
         async def _generate(self, kind: str, request: Request) -> Any:
             arrival = time.perf_counter()
-            check_key(request, self.api_key)
-            body = parse_json(await read_body(request, self.sc.max_body_bytes))
-            params = parse_request(kind, body, self.replica.served)
-            rid, first, gen = await start(self.replica, params, arrival)
-            if params.stream:
-                return StreamingResponse(events(rid, self.model, params, first, gen), media_type="text/event-stream")
-            try:
-                return JSONResponse(await collect(rid, self.model, params, first, gen))
-            finally:
-                await gen.aclose()
+            params = parse_request(kind, await self._body(request), self.replica.served)
+            return await respond(self.replica, self.model, params, arrival)
 
         @api.post("/v1/completions")
         async def completions(self, request: Request) -> Any:
@@ -214,18 +227,15 @@ def make_server_class() -> type:
 
         @api.get("/health")
         async def health(self) -> Any:
-            status = self.replica.status()
-            return JSONResponse(status, status_code=200 if self.replica.healthy else 503)
+            return JSONResponse(self.replica.status(), status_code=200 if self.replica.healthy else 503)
 
         @api.post("/tokenize")
         async def tokenize(self, request: Request) -> Any:
-            check_key(request, self.api_key)
-            return JSONResponse(tokenize_body(self.replica, parse_json(await read_body(request, self.sc.max_body_bytes))))
+            return JSONResponse(tokenize_body(self.replica, await self._body(request)))
 
         @api.post("/detokenize")
         async def detokenize(self, request: Request) -> Any:
-            check_key(request, self.api_key)
-            return JSONResponse(detokenize_body(self.replica, parse_json(await read_body(request, self.sc.max_body_bytes))))
+            return JSONResponse(detokenize_body(self.replica, await self._body(request)))
 
         @api.get("/metrics")
         async def metrics(self) -> Any:
@@ -235,9 +245,13 @@ def make_server_class() -> type:
     return SpeclineServer
 
 
-def _error_handlers(api: Any) -> None:
-    """``APIError`` → its status and OpenAI body; anything else → a logged 500 with the same shape."""
+def new_api() -> Any:
+    """A FastAPI app whose errors are OpenAI bodies: ``APIError`` → its status; anything else →
+    a logged 500 with the same shape."""
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse
+
+    api = FastAPI(title="specline", docs_url=None, redoc_url=None)
 
     @api.exception_handler(APIError)
     async def _api_error(_request: Request, err: APIError) -> JSONResponse:
@@ -247,6 +261,8 @@ def _error_handlers(api: Any) -> None:
     async def _unexpected(_request: Request, err: Exception) -> JSONResponse:
         log.exception("unexpected server error")
         return JSONResponse(APIError(500, f"internal error: {type(err).__name__}: {err}").body(), status_code=500)
+
+    return api
 
 
 def build_app(cfg: SpeclineConfig, target_path: str, source: DrafterSource, api_key: str | None) -> Any:
