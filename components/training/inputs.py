@@ -65,7 +65,7 @@ class TrainInputs:
     dataset: Any  # ray.data.Dataset of record rows, the training split (lazy for a stream)
     num_train: int  # training records per epoch
     heldout: list[Record]  # the held-out split, in memory
-    token_counts: np.ndarray | None = None  # [max id + 1] int64 response tokens of the training split (shards)
+    token_counts: np.ndarray | None = None  # [max id + 1] int64 response tokens of the training split (shards, with drafter.draft_vocab_size)
 
 
 def train_inputs(cfg: SpeclineConfig, upstream: dict[str, Any], target: TargetIdentity,
@@ -96,7 +96,8 @@ def shard_inputs(cfg: SpeclineConfig, data_dir: Path, target: TargetIdentity, la
     split = [split_rows(t, held) for t in tables]  # (train, held-out) per shard
     heldout = [r for _, part in split for r in table_to_records(part)]
     train = [part for part, _ in split]
-    return TrainInputs("shards", ray.data.from_arrow(train), len(ids) - len(held), heldout, response_counts(train))
+    counts = response_counts(train) if cfg.drafter.draft_vocab_size else None  # only a reduced vocabulary reads them
+    return TrainInputs("shards", ray.data.from_arrow(train), len(ids) - len(held), heldout, counts)
 
 
 def response_counts(tables: list[Any]) -> np.ndarray:  # -> [max id + 1] int64
