@@ -30,7 +30,12 @@ from torch import Tensor
 
 from components.drafters.base import Proposal
 from components.spec.gumbel import gumbel_argmax, gumbel_noise
-from components.spec.sampling import SamplingParams, log_probs_from_logits, probs_from_logits
+from components.spec.sampling import (
+    GREEDY,
+    SamplingParams,
+    log_probs_from_logits,
+    probs_from_logits,
+)
 from components.spec.verify import (
     VerifyResult,
     verify_block,
@@ -38,8 +43,6 @@ from components.spec.verify import (
     verify_gumbel,
     verify_speculative,
 )
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from components.serving.parts import EngineParts
 from components.serving.protocol import APIError, GenerateParams, Served
 from components.serving.responses import Outcome, SpecStats
 from components.serving.telemetry import ServingMetrics
-from components.spec.sampling import SamplingParams
+from components.spec.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Replica:
 
     def request_for(self, params: GenerateParams, request_id: str) -> Request:
         greedy = params.temperature <= 0
-        sampling = SamplingParams(temperature=0.0) if greedy else SamplingParams(
+        sampling = GREEDY if greedy else SamplingParams(
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         return Request(params.prompt_ids, params.max_tokens, sampling, params.seed,
                        "greedy" if greedy else self.sampled_rule, params.stop_token_ids,

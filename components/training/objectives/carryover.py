@@ -53,10 +53,8 @@ from components.drafters.capabilities import BlockInternals, Capability, Carryov
 from components.drafters.dflash import sample_anchors
 from components.drafters.layers import KV
 from components.losses import DrafterLoss, LossOutput
-from components.spec.sampling import SamplingParams
+from components.spec.sampling import GREEDY
 from components.training.objectives.base import Objective, ObjectiveContext, register_objective
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 class CarryoverDrafter(BlockInternals, Carryover, Protocol):

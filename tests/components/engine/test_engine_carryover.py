@@ -14,12 +14,10 @@ from components.drafters.capabilities import CapabilityError
 from components.drafters.registry import build_drafter
 from components.engine import OracleDrafter, SpeculativeEngine
 from components.losses import build_loss
-from components.spec.sampling import SamplingParams
+from components.spec.sampling import GREEDY
 from components.training.objectives import ObjectiveContext, build_objective
 from components.training.objectives.carryover import FirstDraft
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 def carry_drafter(target, name: str, carryover: bool = True, **cfg):

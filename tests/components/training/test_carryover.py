@@ -14,13 +14,12 @@ from components.drafters.base import DrafterError
 from components.drafters.checkpoint import load_drafter, save_drafter
 from components.export import vllm_export
 from components.losses import build_loss
-from components.spec.sampling import SamplingParams
+from components.spec.sampling import GREEDY
 from components.training import collate, new_train_state, train_step
 from components.training.objectives import ObjectiveContext, build_objective
 from components.training.objectives.carryover import CarryoverObjective
 from tests.components.training.test_training_steps import _record, first_step_descends
 
-GREEDY = SamplingParams(temperature=0.0)
 DRAFTERS = {
     "dspark": DrafterConfig(name="dspark", block_size=4, num_anchors=8, markov_rank=8, num_layers=2),
     "dflash": DrafterConfig(name="dflash", block_size=4, num_anchors=8, num_layers=2),

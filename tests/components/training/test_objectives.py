@@ -12,14 +12,13 @@ from components.drafters import build_drafter
 from components.drafters.capabilities import Capability, CapabilityError
 from components.losses import build_loss
 from components.losses.common import LossInputs
-from components.spec.sampling import SamplingParams
+from components.spec.sampling import GREEDY
 from components.training import collate, new_train_state, train_step
 from components.training.chain import resolve_chain
 from components.training.objectives import OBJECTIVES, ObjectiveContext, build_objective
 from components.training.rounds import anchor_tensor, simulate_rounds
 from tests.components.training.test_training_steps import _record, first_step_descends
 
-GREEDY = SamplingParams(temperature=0.0)
 DRAFTERS = {
     "dspark": DrafterConfig(name="dspark", block_size=4, num_anchors=8, markov_rank=8),
     "dflash": DrafterConfig(name="dflash", block_size=4, num_anchors=8),
