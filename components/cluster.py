@@ -6,19 +6,37 @@ small boxes: token auth off (Ray 2.5x turns it on for local clusters), a bounded
 no dashboard unless asked, and a logical CPU count that lets Ray Data and Ray Train workers
 with fractional CPUs run side by side instead of starving each other.
 
+Within a log session (:mod:`components.logs`) the output Ray's workers stream to the driver
+goes to the run's log file (through :data:`components.logs.WORKER_LOGGER`) instead of the
+console, workers draw no progress bars (nobody sees them there) and Ray Data draws none in the
+driver either; with ``log_level: verbose`` Ray prints its workers' output itself as well.
+
 Knows Ray and the ``ray`` config section; nothing about stages.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
+from components import logs
 from components.config import RayConfig
 
+RAY_PRINTER = "ray_print_logs"  # Ray's own handler of the workers' streamed output (prints it)
+LOG_WRITER = "specline_worker_log"  # ours: the same output → logs.WORKER_LOGGER
+# Env vars of every Ray worker within an info-level session: their output only reaches the log file.
+QUIET_WORKER_ENV = {"TQDM_DISABLE": "1", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+TQDM_MAGIC = "__ray_tqdm_magic_token__"  # ray.experimental.tqdm_ray's state updates: not text
 
-def local_init_kwargs(cfg: RayConfig) -> dict[str, Any]:
-    """Arguments of ``ray.init`` for a local instance on this machine."""
+
+def worker_env(level: str | None) -> dict[str, str]:
+    """Env vars for every worker of a session at ``level`` (None: no session, nothing set)."""
+    return dict(QUIET_WORKER_ENV) if level == logs.INFO else {}
+
+
+def local_init_kwargs(cfg: RayConfig, level: str | None = None) -> dict[str, Any]:
+    """Arguments of ``ray.init`` for a local instance on this machine (``level``: the log session's)."""
     kwargs: dict[str, Any] = {
         "num_cpus": cfg.num_cpus or os.cpu_count() or 1,
         "include_dashboard": cfg.include_dashboard,
@@ -28,7 +46,72 @@ def local_init_kwargs(cfg: RayConfig) -> dict[str, Any]:
     }
     if cfg.object_store_memory_mb:
         kwargs["object_store_memory"] = cfg.object_store_memory_mb * 1024 * 1024
+    if env := worker_env(level):
+        kwargs["runtime_env"] = {"env_vars": env}
     return kwargs
+
+
+def _text_lines(data: dict[str, Any]) -> list[str]:
+    """The lines of a streamed batch worth keeping: the autoscaler's events only (as Ray prints
+    them), no tqdm_ray state updates."""
+    lines = data.get("lines", [])
+    if data.get("pid") == "autoscaler":
+        try:
+            from ray._private.worker import filter_autoscaler_events
+
+            return list(filter_autoscaler_events(lines))
+        except Exception:  # noqa: BLE001 -- Ray's private helper moved or needs a connection: drop them
+            return []
+    return [line for line in lines if TQDM_MAGIC not in line]
+
+
+def write_worker_lines(data: dict[str, Any]) -> None:
+    """One batch of a worker's streamed stdout/stderr → :data:`components.logs.WORKER_LOGGER`
+    (called on Ray's log thread, which must never see an exception)."""
+    try:
+        _write_worker_lines(data)
+    except Exception:
+        logging.getLogger(__name__).debug("cluster: a batch of worker output was dropped", exc_info=True)
+
+
+def _write_worker_lines(data: dict[str, Any]) -> None:
+    log = logging.getLogger(logs.WORKER_LOGGER)
+    who = data.get("actor_name") or data.get("task_name") or ""
+    where = f"{who} pid={data.get('pid')}".strip()
+    if data.get("ip") and data.get("ip") != data.get("localhost"):
+        where += f", ip={data['ip']}"
+    stream = "stderr" if data.get("is_err") else "stdout"
+    for line in _text_lines(data):
+        log.info("(%s %s) %s", where, stream, line.rstrip())
+
+
+def route_worker_output(level: str | None) -> None:
+    """Within a session: the workers' streamed output also goes to the log file and, below
+    ``verbose``, no longer to the console. Outside one (None): Ray's default."""
+    if level is None:
+        return
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:  # Ray moved its private dispatcher: keep its console output
+        logging.getLogger(__name__).warning("cluster: Ray's worker output stays on the console "
+                                            "(this Ray has no stdstream dispatcher)")
+        return
+    dispatcher.remove_handler(LOG_WRITER)
+    dispatcher.add_handler(LOG_WRITER, write_worker_lines)
+    if level != logs.VERBOSE:
+        dispatcher.remove_handler(RAY_PRINTER)
+
+
+def quiet_driver(level: str | None) -> None:
+    """Within an info-level session: no Ray Data progress bars in the driver (the stages report
+    their own progress), and Ray's libraries log through the session's handlers."""
+    if level is None:
+        return
+    if level == logs.INFO:
+        from ray.data import DataContext
+
+        DataContext.get_current().enable_progress_bars = False
+    logs.adopt_library_loggers()  # importing ray.data configured its logger: adopt it now
 
 
 def init_ray(cfg: RayConfig) -> dict[str, Any]:
@@ -37,18 +120,23 @@ def init_ray(cfg: RayConfig) -> dict[str, Any]:
 
     if ray.is_initialized():
         return ray.cluster_resources()
+    level = logs.console_level()
     if cfg.address is None:
         if cfg.disable_auth_locally:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-        ray.init(**local_init_kwargs(cfg))
+        ray.init(**local_init_kwargs(cfg, level))
     else:  # ship this checkout's packages so cluster workers run the same code as the driver
         import components
         import pipelines
 
-        ray.init(address=cfg.address, logging_level="WARNING",
-                 runtime_env={"py_modules": [components, pipelines]})
+        runtime_env: dict[str, Any] = {"py_modules": [components, pipelines]}
+        if env := worker_env(level):
+            runtime_env["env_vars"] = env
+        ray.init(address=cfg.address, logging_level="WARNING", runtime_env=runtime_env)
+    route_worker_output(level)
+    quiet_driver(level)
     return ray.cluster_resources()
 
 
@@ -57,4 +145,9 @@ def shutdown_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+        try:
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        except ImportError:
+            return
+        dispatcher.remove_handler(LOG_WRITER)
 

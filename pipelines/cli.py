@@ -1,37 +1,97 @@
 """Command-line plumbing shared by every ``python -m pipelines.<stage>`` entry point.
 
-Parses ``conf=<file> key=value ...``, turns the known user errors into one clear line on
-stderr (exit status 2) instead of a traceback, and prints the stage's result as JSON.
+Parses ``conf=<file> key=value ... [-v|--verbose]``, opens the run's log session
+(``components.logs``: the console shows one line per stage start and end with its wall time and
+headline figure, ``<run_dir>/logs/<timestamp>-<name>.log`` gets everything; ``-v`` is
+``log_level=verbose``), turns the known user errors into one clear line on stderr (exit status
+2) instead of a traceback, and prints the stage's result as JSON on stdout.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from components import logs
 from components.config import ConfigError, SpeclineConfig, load_cli
 from components.target.corpus import CorpusError
 from components.target.hf import TargetError
 from components.target.smollm2 import ConversionError
 from components.tracking import Tracker
+from pipelines.headlines import duration, headline, plan
 
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, CorpusError, ConversionError)
+VERBOSE_FLAGS = ("-v", "--verbose")
 
 StageFn = Callable[[SpeclineConfig, Tracker, dict[str, Any]], dict[str, Any]]
+
+log = logging.getLogger(logs.CONSOLE_LOGGER)
+
+
+def split_flags(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``-v``/``--verbose`` turned into the override ``log_level=verbose``."""
+    rest = [a for a in argv if a not in VERBOSE_FLAGS]
+    return rest + [f"log_level={logs.VERBOSE}"] if len(rest) < len(argv) else rest
+
+
+def run_stage(name: str, stage: StageFn, cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any],
+              step: str = "") -> dict[str, Any]:
+    """``stage(cfg, tracker, upstream)`` between a start line and an end line (wall time, headline)."""
+    logs.adopt_library_loggers()  # a library imported since the last stage brought its own handler
+    what = plan(name, cfg)
+    log.info("%s%s …%s", step, name, f" {what}" if what else "")
+    t0 = time.perf_counter()
+    try:
+        out = stage(cfg, tracker, upstream)
+    except BaseException as err:
+        _failed(f"{step}{name}", time.perf_counter() - t0, err)
+        raise
+    line = headline(name, out)
+    log.info("%s%s done in %s%s", step, name, duration(time.perf_counter() - t0), f": {line}" if line else "")
+    return out
+
+
+def _failed(what: str, seconds: float, err: BaseException) -> None:
+    """The end line of a stage that raised (its traceback goes to the log file only)."""
+    if isinstance(err, KeyboardInterrupt):
+        log.info("%s interrupted after %s", what, duration(seconds))
+        return
+    text = f"{type(err).__name__}: {err}".strip().splitlines()[0]
+    # a user error is printed once, as main's one "error:" line; the file keeps its traceback
+    extra = logs.FILE_ONLY if isinstance(err, USER_ERRORS) else None
+    where = f"; full log: {logs.log_file()}" if logs.log_file() else ""
+    log.error("%s failed after %s: %s%s", what, duration(seconds), text, where, exc_info=err, extra=extra)
+
+
+def _tracker(cfg: SpeclineConfig) -> Tracker:
+    """The run's Tracker, with MLflow's loggers adopted by the log session before its store starts
+    (importing mlflow installs MLflow's own console handler)."""
+    if cfg.tracking.enabled:
+        import mlflow  # noqa: F401
+
+        logs.adopt_library_loggers()
+    return Tracker(cfg)
 
 
 def main(stage: StageFn, name: str, argv: Sequence[str] | None = None) -> int:
     """Runs ``stage`` as a top-level MLflow run; returns the process exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = split_flags(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_cli(argv)
-        tracker = Tracker(cfg)
-        with tracker.run(name):
-            result = stage(cfg, tracker, {})
+        with logs.session(cfg, name) as path:
+            hint = "" if cfg.log_level == logs.VERBOSE else " (-v: everything on the console)"
+            log.info("specline %s: full log in %s%s", name, path, hint)
+            tracker = _tracker(cfg)
+            with tracker.run(name):
+                result = run_stage(name, stage, cfg, tracker, {})
+            text = json.dumps(result, indent=2, default=str)
+            log.info("result:\n%s", text, extra=logs.FILE_ONLY)
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2, default=str))
+    print(text)
     return 0

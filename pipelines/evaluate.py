@@ -5,17 +5,20 @@
     python -m pipelines.evaluate conf=dspark.yaml eval.drafter_path=DIR \
         "eval.methods=[target_only,drafter,prompt_lookup,vllm_generate,vllm_ngram,vllm_draft_model,vllm_drafter]"
 
-On ``eval.num_prompts`` held-out prompts (``components.evaluation.prompts``) it runs every method
-of ``eval.methods`` (``components.evaluation.methods``; target_only always, as the reference) in
+On held-out prompts (``components.evaluation.prompts``: ``eval.num_prompts`` of each named set
+of ``eval.prompt_sets``: humaneval, chat, summarise, text) it runs every method of
+``eval.methods`` (``components.evaluation.methods``; target_only always, as the reference) in
 this one process, interleaved, and measures τ, acceptance by draft position, tokens/s and the
-speedup over plain decoding of the same target in the same run. Greedy outputs must equal
-target_only's token for token; a method that differs is reported loudly (stderr, ``lossless``
-false, the first mismatch and whether it is a numerical near-tie) but does not stop the stage.
+speedup over plain decoding of the same target in the same run, over all prompts and per prompt
+set (Spec-Bench's layout: a column per set). Greedy outputs must equal target_only's token for
+token; a method that differs is reported loudly (stderr, ``lossless`` false, the first mismatch
+and whether it is a numerical near-tie) but does not stop the stage.
 The train stage's offline τ estimate (``upstream["heldout_tau"]``, α = 1 − TV on held-out
 rollouts) is set beside the τ the engine measures with the same drafter.
 
-Logs to MLflow: ``eval/<method>/{tau,tokens_per_s,speedup,...}`` metrics, ``eval/results.md``
-(tables) and ``eval/results.json``, and plots of acceptance by position and of the speedups.
+Logs to MLflow: ``eval/<method>/{tau,tokens_per_s,speedup,...}`` metrics over all prompts and
+``eval/<set>/<method>/{...}`` per prompt set, ``eval/results.md`` (tables) and
+``eval/results.json``, and plots of acceptance by position and of the speedups.
 Everything is also written under ``eval.output_dir``. Timing runs in-process, not on Ray: a
 speedup is a ratio of two timings that must share one quiet process. The vLLM peers
 (``vllm_*``, opt-in) are the exception: vLLM lives in its own environment, so they run in one
@@ -37,7 +40,7 @@ from typing import Any
 
 import torch
 
-from components.config import EMBEDDED_TARGET, ConfigError, SpeclineConfig
+from components.config import EMBEDDED_TARGET, TINY_TARGET, ConfigError, SpeclineConfig
 from components.drafters import DrafterError, load_drafter
 from components.drafters.quantize import int8_lm_head
 from components.evaluation import (
@@ -83,8 +86,8 @@ def _assistant(cfg: SpeclineConfig, target_path: str, target: Any, methods: list
     if not needs_assistant(methods) or name in (None, "", "none"):
         return None, None
     if name == "auto":
-        if cfg.target.name_or_path != EMBEDDED_TARGET:
-            raise ConfigError("eval.assistant: 'auto' builds an assistant only for the embedded target; "
+        if cfg.target.name_or_path not in (EMBEDDED_TARGET, TINY_TARGET):
+            raise ConfigError("eval.assistant: 'auto' builds an assistant only for the built-in targets (embedded, tiny); "
                               "set eval.assistant=<HF directory or hub id with the target's tokenizer>")
         cache = Path(cfg.target.cache_dir).expanduser().resolve()
         name = str(ensure_embedded_assistant(Path(target_path), cfg.target.tiny, cfg.eval, cache))
@@ -119,7 +122,8 @@ def _shout(report: EvalReport) -> None:
 
 
 def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
-    """Returns upstream plus ``eval_dir``, ``eval_results`` and per-method τ / speedup / lossless."""
+    """Returns upstream plus ``eval_dir``, ``eval_results``, per-method τ / speedup / lossless over
+    all prompts and τ / speedup per prompt set (``eval_sets``: set → method → {tau, speedup})."""
     methods = check_methods(cfg.eval)
     t0 = time.perf_counter()
     target_path = upstream.get("target_path") or resolve_target_path(cfg.target, progress=True)
@@ -142,6 +146,8 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
             "eval_tokens_per_s": {m: v.tokens_per_s for m, v in s.items()},
             "eval_speedup": {m: v.speedup for m, v in s.items()},
             "eval_lossless": {m: v.lossless for m, v in s.items()},
+            "eval_sets": {n: {m: {"tau": v.tau, "speedup": v.speedup} for m, v in g.items()}
+                          for n, g in report.sets.items()},
             "eval_lossless_failures": report.failures, "eval_unavailable": dict(report.unavailable),
             "eval_offline_tau": offline["offline_tau"],
             "eval_engine_tau": offline["engine_tau"], "eval_seconds": time.perf_counter() - t0}

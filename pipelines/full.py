@@ -1,9 +1,11 @@
 """The whole specline pipeline: the stages listed in ``stages`` of the config, in order.
 
 One parent MLflow run; each stage is a nested run that receives the artifact references
-returned by the stages before it (paths, run ids) and adds its own.
+returned by the stages before it (paths, run ids) and adds its own. On the console each stage
+is a start line and an end line with its wall time and headline figure (``pipelines.headlines``);
+the rest goes to ``<run_dir>/logs/`` (``-v``: to the console as well).
 
-    python -m pipelines.full conf=dspark.yaml
+    python -m pipelines.full conf=dspark.yaml [-v]
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 from components.config import ConfigError, SpeclineConfig
 from components.tracking import Tracker
 from pipelines import data, evaluate, serve, target, train
-from pipelines.cli import StageFn, main
+from pipelines.cli import StageFn, main, run_stage
 
 # Stage name → entry point, in pipeline order.
 STAGES: dict[str, StageFn] = {"target": target.run, "data": data.run, "train": train.run,
@@ -26,9 +28,9 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     if unknown:
         raise ConfigError(f"stages: unknown {unknown}; available: {list(STAGES)}")
     artifacts = dict(upstream)
-    for name in cfg.stages:
+    for i, name in enumerate(cfg.stages, 1):
         with tracker.run(name) as run_id:
-            artifacts = STAGES[name](cfg, tracker, artifacts)
+            artifacts = run_stage(name, STAGES[name], cfg, tracker, artifacts, step=f"[{i}/{len(cfg.stages)}] ")
             artifacts[f"{name}_run_id"] = run_id
     return artifacts
 

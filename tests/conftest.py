@@ -46,7 +46,7 @@ def target_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target_cfg(target_cache: Path) -> TargetConfig:
-    return TargetConfig(name_or_path="embedded", cache_dir=str(target_cache), tiny=FIXTURE_TINY)
+    return TargetConfig(name_or_path="tiny", cache_dir=str(target_cache), tiny=FIXTURE_TINY)
 
 
 @pytest.fixture(scope="session")

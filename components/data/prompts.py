@@ -2,10 +2,13 @@
 
 Sources (``data.prompt_source``):
 
-- ``embedded``: the embedded target's *training* split only (``chat/train.jsonl``: the turns
-  before a conversation's first assistant turn, rendered with the chat template;
-  ``corpus/train.jsonl``: ``text_prompt_tokens`` tokens from a window of a document),
-  interleaved by ``embedded_kinds``. The held-out split is never read.
+- ``embedded``: a built-in target's *training* split only, interleaved by ``embedded_kinds``:
+  ``chat`` (``chat/train.jsonl``: the turns before a conversation's first assistant turn,
+  rendered with the chat template; the embedded SmolLM2's are the user turns it wrote itself),
+  ``instruct`` (a chat turn asking to explain, summarise or continue a passage of at most
+  ``instruct_passage_tokens`` tokens from a ``corpus/train.jsonl`` document) and ``text``
+  (``text_prompt_tokens`` tokens from a window of a document, no template). The held-out split
+  is never read.
 - in files (below), every assistant turn of a conversation gives one prompt: the turns before it.
 - a local ``.jsonl`` / ``.json`` / ``.parquet`` file of rows in one of these schemas:
   ``{"messages": [{"role", "content"}, ...]}`` (UltraChat-200k / OpenAI style),
@@ -172,33 +175,69 @@ def _text_prompts(docs: list[dict[str, Any]], n: int, max_tokens: int) -> list[R
     return out
 
 
-def embedded_prompts(target_dir: Path, cfg: DataConfig) -> Iterator[RawPrompt]:
-    """Chat turns and document prefixes of the embedded target's training split, interleaved."""
+# What an instruction prompt asks of a passage, per corpus source; one chosen per passage by hash.
+INSTRUCTIONS: dict[str, tuple[str, ...]] = {
+    "python_stdlib": ("Explain what the following Python code does.\n\n```python\n{passage}```",
+                      "Summarise the purpose of this Python code in a few sentences.\n\n```python\n{passage}```",
+                      "Continue this Python code.\n\n```python\n{passage}```"),
+    "shakespeare": ("Summarise this passage from Shakespeare in plain modern English.\n\n{passage}",
+                    "Explain what is happening in this passage.\n\n{passage}",
+                    "Continue this passage in the same style.\n\n{passage}"),
+}
+GENERIC_INSTRUCTIONS = ("Summarise the following passage.\n\n{passage}", "Explain the following passage.\n\n{passage}")
+KINDS = ("chat", "instruct", "text")
+
+
+def _pick(key: str, options: tuple[str, ...]) -> str:
+    return options[int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % len(options)]
+
+
+def _instruct_prompts(docs: list[dict[str, Any]], n: int, max_tokens: int, tokenizer: Any) -> list[RawPrompt]:
+    """``n`` chat turns, each an instruction around a passage of ≤ ``max_tokens`` tokens (cut at a line end)."""
+    out = []
+    for raw in _text_prompts(docs, n, max_tokens):
+        ids = tokenizer(raw.text or "", add_special_tokens=False)["input_ids"][:max_tokens]
+        passage = tokenizer.decode(ids)
+        if "\n" in passage.rstrip("\n"):
+            passage = passage[: passage.rstrip("\n").rindex("\n") + 1]  # whole lines only
+        source = raw.prompt_id.removeprefix("text:").split("/", 1)[0]
+        template = _pick(raw.prompt_id, INSTRUCTIONS.get(source, GENERIC_INSTRUCTIONS))
+        out.append(RawPrompt(raw.prompt_id.replace("text:", "instruct:", 1),
+                             messages=(("user", template.format(passage=passage)),)))
+    return out
+
+
+def embedded_prompts(target_dir: Path, cfg: DataConfig, tokenizer: Any) -> Iterator[RawPrompt]:
+    """Chat turns, instructions on passages and document prefixes of the training split, interleaved."""
     kinds = list(cfg.embedded_kinds)
-    unknown = sorted(set(kinds) - {"chat", "text"})
+    unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds:
-        raise PromptError(f"data.embedded_kinds: {kinds} must be a non-empty subset of ['chat', 'text']")
+        raise PromptError(f"data.embedded_kinds: {kinds} must be a non-empty subset of {list(KINDS)}")
     per_kind = cfg.max_prompts * 2 // len(kinds) + 1  # spare candidates for skipped prompts
+    docs = [json.loads(x) for x in (target_dir / "corpus" / "train.jsonl").read_text().splitlines() if x]
     lists: list[list[RawPrompt]] = []
-    if "chat" in kinds:
-        rows = [json.loads(x) for x in (target_dir / "chat" / "train.jsonl").read_text().splitlines() if x]
-        chosen = _spread(list(enumerate(rows)), per_kind)
-        lists.append([p for i, r in chosen for p in row_prompts(r, f"chat:{i}")[:1]])
-    if "text" in kinds:
-        docs = [json.loads(x) for x in (target_dir / "corpus" / "train.jsonl").read_text().splitlines() if x]
-        lists.append(_text_prompts(docs, per_kind, cfg.text_prompt_tokens))
+    for kind in kinds:
+        if kind == "chat":
+            rows = [json.loads(x) for x in (target_dir / "chat" / "train.jsonl").read_text().splitlines() if x]
+            chosen = _spread(list(enumerate(rows)), per_kind)
+            lists.append([p for i, r in chosen for p in row_prompts(r, f"chat:{i}")[:1]])
+        elif kind == "instruct":
+            lists.append(_instruct_prompts(docs, per_kind, cfg.instruct_passage_tokens, tokenizer))
+        else:
+            lists.append(_text_prompts(docs, per_kind, cfg.text_prompt_tokens))
     for group in itertools.zip_longest(*lists):  # interleaved; a kind with no rows just ends early
         yield from (p for p in group if p is not None)
 
 
-def raw_prompts(cfg: DataConfig, target_dir: Path | None, stats: PromptStats) -> Iterator[RawPrompt]:
+def raw_prompts(cfg: DataConfig, target_dir: Path | None, stats: PromptStats,
+                tokenizer: Any = None) -> Iterator[RawPrompt]:
     """The configured source's candidate prompts, in a stable order."""
     source = cfg.prompt_source
     if source == "embedded":
         if target_dir is None or not (target_dir / "chat" / "train.jsonl").is_file():
-            raise PromptError("data.prompt_source=embedded needs the embedded target (its chat/ and "
-                              "corpus/ splits); give a prompt file or 'hf:<dataset>' for other targets")
-        yield from embedded_prompts(target_dir, cfg)
+            raise PromptError("data.prompt_source=embedded needs a built-in target (embedded or tiny: "
+                              "their chat/ and corpus/ splits); give a prompt file or 'hf:<dataset>' for other targets")
+        yield from embedded_prompts(target_dir, cfg, tokenizer)
         return
     rows = _hf_rows(source[3:]) if source.startswith("hf:") else _file_rows(Path(source).expanduser(), stats)
     for where, row in rows:
@@ -228,8 +267,17 @@ def encode(raw: RawPrompt, tokenizer: Any) -> list[int]:
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if raw.max_tokens is not None:
         ids = ids[: raw.max_tokens]
+    return document_start(tokenizer) + ids
+
+
+CHAT_TURN_OPENERS = ("<|im_start|>",)  # a bos that opens a chat turn (ChatML) does not start a document
+
+
+def document_start(tokenizer: Any) -> list[int]:
+    """What precedes a raw-text prompt: the tokenizer's bos, unless that bos opens a chat turn
+    (SmolLM2's is ``<|im_start|>``: its documents start bare, as its tokenizer encodes them)."""
     bos = tokenizer.bos_token_id
-    return ([bos] if bos is not None else []) + ids
+    return [] if bos is None or tokenizer.bos_token in CHAT_TURN_OPENERS else [int(bos)]
 
 
 def collect_prompts(cfg: DataConfig, tokenizer: Any, target_dir: Path | None) -> tuple[list[Prompt], PromptStats]:
@@ -237,7 +285,7 @@ def collect_prompts(cfg: DataConfig, tokenizer: Any, target_dir: Path | None) ->
     stats = PromptStats()
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    for raw in raw_prompts(cfg, target_dir, stats):
+    for raw in raw_prompts(cfg, target_dir, stats, tokenizer):
         if len(prompts) >= cfg.max_prompts:
             break
         stats.read += 1

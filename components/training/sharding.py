@@ -52,8 +52,8 @@ def distributed() -> bool:
 
 class EveryParameterUsed(nn.Module):
     """The objective, with ``0 × Σ parameters`` added to its loss so that every rank produces a
-    gradient (maybe zero) for every drafter parameter: FSDP's reduce-scatter needs the same set
-    on every rank, and objectives may leave a parameter unused on a batch (e.g. carryover's
+    gradient (maybe zero) for every drafter parameter: FSDP's reduce-scatter and DDP's bucketed
+    all-reduce need the same set on every rank, and objectives may leave a parameter unused on a batch (e.g. carryover's
     E_carry when no draft of the batch was rejected)."""
 
     def __init__(self, objective: nn.Module):
@@ -74,7 +74,8 @@ def wrap(module: nn.Module, strategy: str) -> nn.Module:
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(module, find_unused_parameters=True)
+        # every parameter gets a gradient (maybe zero) on every rank: no unused-parameter search
+        return DistributedDataParallel(EveryParameterUsed(module))
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard(EveryParameterUsed(module))

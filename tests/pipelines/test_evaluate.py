@@ -15,7 +15,9 @@ from components.config import ConfigError, DrafterConfig, EvalConfig, SpeclineCo
 from components.tracking import Tracker
 from pipelines import evaluate, full
 
-EVAL = EvalConfig(num_prompts=2, max_new_tokens=10, lookup_num_speculative_tokens=4, threads=1)
+# one prompt per set of the default prompt sets (humaneval, chat, summarise; the fixture target
+# has no conversations, so chat is left out and the report says so)
+EVAL = EvalConfig(num_prompts=1, max_new_tokens=10, lookup_num_speculative_tokens=4, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,10 @@ def test_eval_stage_logs_tables_plots_and_offline_vs_engine(spec_cfg, tiny_targe
     upstream = {"drafter_path": str(saved_drafter), "heldout_tau": 1.4, "heldout_alpha": [0.3, 0.1, 0.05, 0.01]}
     with tracker.run("eval") as run_id:
         out = evaluate.run(cfg, tracker, upstream)
-    assert out["eval_lossless_failures"] == [] and out["eval_prompts"] == 2
+    assert out["eval_lossless_failures"] == []
+    sets = list(out["eval_sets"])
+    assert {"humaneval", "summarise"} <= set(sets) and out["eval_prompts"] == len(sets)
+    assert all(set(out["eval_sets"][n]) == set(EVAL.methods) for n in sets)
     assert set(out["eval_speedup"]) == set(EVAL.methods) and out["eval_speedup"]["target_only"] == 1.0
     assert out["eval_offline_tau"] == 1.4 and out["eval_engine_tau"] >= 1.0
     assert all(out["eval_lossless"][m] for m in EVAL.methods if m != "target_only")
@@ -49,14 +54,20 @@ def test_eval_stage_logs_tables_plots_and_offline_vs_engine(spec_cfg, tiny_targe
     metrics = client.get_run(run_id).data.metrics
     for m in EVAL.methods:
         assert {f"eval/{m}/tau", f"eval/{m}/tokens_per_s", f"eval/{m}/speedup"} <= set(metrics), m
+        for n in sets:  # the same per prompt set
+            assert {f"eval/{n}/{m}/tau", f"eval/{n}/{m}/tokens_per_s", f"eval/{n}/{m}/speedup"} <= set(metrics)
+    assert metrics["eval/humaneval/target_only/speedup"] == 1.0 and metrics["eval/humaneval/prompts"] == 1
     assert {"eval/offline_tau", "eval/engine_tau", "eval/drafter/acceptance/1"} <= set(metrics)
     logged = {a.path for a in client.list_artifacts(run_id, "eval")}
     assert {"eval/results.md", "eval/results.json", "eval/plots"} <= logged
     plots = {a.path for a in client.list_artifacts(run_id, "eval/plots")}
     assert plots == {"eval/plots/acceptance_by_position.png", "eval/plots/speedups.png"}
     results = json.loads((Path(out["eval_dir"]) / "results.json").read_text())
-    assert results["offline_vs_engine"]["offline_tau"] == 1.4
-    assert "| drafter |" in (Path(out["eval_dir"]) / "results.md").read_text()
+    assert results["offline_vs_engine"]["offline_tau"] == 1.4 and list(results["sets"]) == sets
+    text = (Path(out["eval_dir"]) / "results.md").read_text()
+    assert "| drafter |" in text and "## Per prompt set" in text
+    assert "| method | " + " | ".join(sets) + " | overall |" in text
+    assert all(f"| {n} | drafter | 1 |" in text for n in sets) and "| **overall** | drafter |" in text
 
 
 def test_eval_is_a_pipeline_stage():

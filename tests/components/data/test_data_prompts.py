@@ -34,14 +34,35 @@ def test_chat_schemas_map_to_the_turns_before_each_reply():
 def test_embedded_prompts_come_from_the_training_split_only(tokenizer, tiny_target_build):
     path = Path(tiny_target_build[0])
     heldout = {json.loads(x)["name"] for x in (path / "corpus" / "heldout.jsonl").read_text().splitlines() if x}
-    prompts, stats = collect_prompts(DataConfig(max_prompts=40), tokenizer, path)
+    cfg = DataConfig(max_prompts=40, embedded_kinds=["chat", "text"])
+    prompts, stats = collect_prompts(cfg, tokenizer, path)
     assert len(prompts) == stats.used == 40 and len({p.prompt_id for p in prompts}) == 40
     names = {p.prompt_id.split("/", 1)[1].rsplit("@", 1)[0] for p in prompts if p.prompt_id.startswith("text:")}
     assert names and not names & heldout
     assert all(len(p.input_ids) <= DataConfig().text_prompt_tokens + 1 for p in prompts)
-    again, _ = collect_prompts(DataConfig(max_prompts=40), tokenizer, path)
+    again, _ = collect_prompts(cfg, tokenizer, path)
     assert again == prompts  # deterministic, seeds included
     assert prompts[0].seed == prompt_seed(0, prompts[0].prompt_id) != prompt_seed(1, prompts[0].prompt_id)
+
+
+def test_instruction_prompts_wrap_training_passages_in_a_chat_turn(tokenizer, tiny_target_build):
+    from components.data.prompts import GENERIC_INSTRUCTIONS, INSTRUCTIONS
+
+    path = Path(tiny_target_build[0])
+    heldout = {json.loads(x)["name"] for x in (path / "corpus" / "heldout.jsonl").read_text().splitlines() if x}
+    cfg = DataConfig(max_prompts=12, embedded_kinds=["instruct"], instruct_passage_tokens=32, max_prompt_tokens=512)
+    prompts, _ = collect_prompts(cfg, tokenizer, path)
+    assert len(prompts) == 12 and all(p.prompt_id.startswith("instruct:") for p in prompts)
+    assert not {p.prompt_id.split("/", 1)[1].rsplit("@", 1)[0] for p in prompts} & heldout
+    heads = {t.split("\n", 1)[0] for opts in [*INSTRUCTIONS.values(), GENERIC_INSTRUCTIONS] for t in opts}
+    for p in prompts:
+        text = tokenizer.decode(list(p.input_ids))
+        assert text.endswith("<|assistant|>\n") and any(h in text for h in heads)
+        body = text.split("\n\n", 1)[1].rsplit("<|end|>", 1)[0].removeprefix("```python\n").removesuffix("```")
+        assert len(tokenizer(body, add_special_tokens=False)["input_ids"]) <= 32 + 2  # re-tokenised cut
+    mixed, _ = collect_prompts(DataConfig(max_prompts=6), tokenizer, path)  # default: chat + instruct
+    chats = (path / "chat" / "train.jsonl").read_text().strip()  # the fixture's corpus has no plays
+    assert [p.prompt_id.split(":", 1)[0] for p in mixed] == (["chat", "instruct"] * 3 if chats else ["instruct"] * 6)
 
 
 def test_bad_rows_are_skipped_counted_and_located(tokenizer, tmp_path, caplog):
@@ -76,5 +97,5 @@ def test_parquet_and_hf_dataset_sources(tokenizer, tmp_path):
 def test_missing_source_is_one_clear_error(tokenizer, tmp_path):
     with pytest.raises(PromptError, match="nope.jsonl' is not a file"):
         collect_prompts(DataConfig(prompt_source=str(tmp_path / "nope.jsonl")), tokenizer, None)
-    with pytest.raises(PromptError, match="needs the embedded target"):
+    with pytest.raises(PromptError, match="needs a built-in target"):
         collect_prompts(DataConfig(), tokenizer, None)

@@ -1,5 +1,5 @@
 """Fixtures for the evaluation tests: a random-init drafter saved as the "trained" one, and
-held-out prompts of the session's fixture target."""
+held-out prompts of the session's fixture target (two prompt sets)."""
 
 from __future__ import annotations
 
@@ -24,4 +24,6 @@ def drafter_path(tmp_path_factory, tiny_target) -> Path:
 def eval_prompt_list(tiny_target, tiny_target_build):
     from components.evaluation import eval_prompts
 
-    return eval_prompts(EvalConfig(num_prompts=2), tiny_target.tokenizer, tiny_target_build[0])
+    # one prompt of each of two sets: code completion and a raw document window
+    return eval_prompts(EvalConfig(prompt_sets=["humaneval", "text"], num_prompts=1), tiny_target.tokenizer,
+                        tiny_target_build[0])

@@ -40,6 +40,12 @@ def test_all_methods_greedy_lossless_with_speedups(tiny_target, tiny_target_buil
     # the assistant is the target itself: every draft it proposes is accepted
     assisted = report.summaries["hf_assisted"]
     assert assisted.acceptance_by_position and min(assisted.acceptance_by_position) == 1.0
+    # per prompt set: every method again over that set's prompt alone, speedups within the set
+    assert list(report.sets) == ["humaneval", "text"]
+    for group in report.sets.values():
+        assert list(group) == ALL and all(s.prompts == 1 and s.new_tokens == NEW for s in group.values())
+        assert all(s.lossless is (None if n == "target_only" else True) for n, s in group.items())
+        assert group["drafter"].speedup == pytest.approx(group["drafter"].tokens_per_s / group["target_only"].tokens_per_s)
 
 
 def test_a_method_that_changes_the_output_is_not_lossless(tiny_target, tiny_target_build, drafter_path,
