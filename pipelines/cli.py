@@ -18,13 +18,14 @@ from typing import Any
 
 from components import logs
 from components.config import ConfigError, SpeclineConfig, load_cli
+from components.drafters.errors import DrafterError
 from components.target.corpus import CorpusError
 from components.target.hf import TargetError
 from components.target.smollm2 import ConversionError
 from components.tracking import Tracker
 from pipelines.headlines import duration, headline, plan
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, CorpusError, ConversionError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, CorpusError, ConversionError, DrafterError)
 VERBOSE_FLAGS = ("-v", "--verbose")
 
 StageFn = Callable[[SpeclineConfig, Tracker, dict[str, Any]], dict[str, Any]]

@@ -72,3 +72,7 @@ def test_bad_data_settings_are_one_clear_line(tmp_path, tiny_target_cfg, tiny_ta
     assert main(data.run, "data", [f"conf={conf}", f"data.prompt_source={tmp_path}/x.jsonl",
                                    "tracking.enabled=false"]) == 2
     assert "x.jsonl' is not a file" in capsys.readouterr().err
+    # a drafter setting the target cannot serve (a layer it does not have): one line, no traceback
+    assert main(data.run, "data", [f"conf={conf}", "drafter.layer_ids=[0,99]", "tracking.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert "error: drafter.layer_ids [0, 99]: [99] out of range" in err and "Traceback" not in err
