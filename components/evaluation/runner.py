@@ -82,15 +82,22 @@ def warm_up(methods: dict[str, MethodFn], prompt: Prompt, max_new_tokens: int) -
         fn(list(prompt.input_ids), min(WARMUP_TOKENS, max_new_tokens), prompt.seed)
 
 
-def time_methods(methods: dict[str, MethodFn], prompts: list[Prompt], max_new_tokens: int) -> dict[str, list[PromptRun]]:
-    """Every method on every prompt, interleaved (rotated order per prompt)."""
+def time_methods(methods: dict[str, MethodFn], prompts: list[Prompt], max_new_tokens: int,
+                 progress: bool = True) -> dict[str, list[PromptRun]]:
+    """Every method on every prompt, interleaved (rotated order per prompt), with a progress bar
+    over the generations (the bar's own cost falls between timed calls, never inside one)."""
+    from tqdm.auto import tqdm
+
     names = list(methods)
     runs: dict[str, list[PromptRun]] = {name: [] for name in names}
-    for i, prompt in enumerate(prompts):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            run = methods[name](list(prompt.input_ids), max_new_tokens, prompt.seed)
-            run.method, run.prompt_id = name, prompt.prompt_id
-            runs[name].append(run)
+    with tqdm(total=len(prompts) * len(names), desc="eval: generations", unit="gen", disable=not progress) as bar:
+        for i, prompt in enumerate(prompts):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                run = methods[name](list(prompt.input_ids), max_new_tokens, prompt.seed)
+                run.method, run.prompt_id = name, prompt.prompt_id
+                runs[name].append(run)
+                bar.set_postfix_str(name, refresh=False)
+                bar.update(1)
     return runs
 
 
