@@ -304,6 +304,7 @@ class ServeConfig:
     max_body_bytes: int = 1_000_000  # larger request bodies: 413
     max_model_len: int | None = None  # context (prompt + new tokens); None: the target's positions
     block: bool = True  # keep serving until Ctrl-C; false: return once the app is up (tests)
+    ready_timeout_s: float = 900.0  # the stage waits this long for the replica's warm-up (/health 200)
     # Replicas (Ray Serve): each holds one target + drafter engine
     num_replicas: int = 1
     autoscaling: bool = False  # true: min_replicas..max_replicas on target_ongoing_requests

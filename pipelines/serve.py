@@ -66,6 +66,32 @@ def start_app(cfg: SpeclineConfig, target_path: str, source: DrafterSource, key:
         serve.run(build_app(cfg, target_path, source, key), name=sc.app_name, route_prefix="/", blocking=False)
     except RuntimeError as err:  # the replica constructor failed (e.g. a drafter for another target)
         raise ConfigError(f"serve: the app did not start: {_first_cause(str(err) + _status_text(sc.app_name))}") from None
+    wait_until_ready(sc)
+
+
+def wait_until_ready(sc: ServeConfig, poll_s: float = 0.5) -> None:
+    """Returns once ``/health`` answers 200: the replica has warmed up (round profile, one short
+    generation). A replica that dies while warming up, or ``serve.ready_timeout_s`` passing, is
+    one clear error."""
+    import urllib.error
+    import urllib.request
+
+    host = "127.0.0.1" if sc.host in ("0.0.0.0", "::") else sc.host
+    url, last = f"http://{host}:{sc.port}/health", "no answer"
+    deadline = time.monotonic() + sc.ready_timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except urllib.error.HTTPError as err:  # 503 while warming up, or once dead
+            body = json.loads(err.read() or b"{}")
+            last = f"{body.get('status')}: {body.get('error')}" if body.get("error") else str(body.get("status"))
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            last = str(err)
+        time.sleep(poll_s)
+    raise ConfigError(f"serve: the app did not become ready within serve.ready_timeout_s={sc.ready_timeout_s} s "
+                      f"(last /health: {last}); see the replica's log")
 
 
 def _status_text(app_name: str) -> str:

@@ -5,7 +5,7 @@ Routes (OpenAI-compatible, as vLLM's server names them)::
     POST /v1/completions        prompt (string or token ids) → text, streaming or not
     POST /v1/chat/completions   messages (the target's chat template) → text, streaming or not
     GET  /v1/models             the served model, its drafter (run id, version) and engine settings
-    GET  /health                200 while the engine runs; 503 once it failed
+    GET  /health                200 once warm; 503 while warming up or once the engine failed
     POST /tokenize, /detokenize vLLM's shapes ({"prompt"|"messages"} → tokens; {"tokens"} → prompt)
     GET  /metrics               this replica's metrics, Prometheus text (``telemetry.py``)
 
@@ -17,6 +17,23 @@ deployment for ``serve.run``; ``deployment_options(sc)`` the Serve settings (rep
 autoscaling, ``max_ongoing_requests`` / ``max_queued_requests``, backpressure status and
 Retry-After, health checks, one GPU per replica on clusters).
 
+Start-up, as Ray Serve sees it. The constructor loads the target and drafter and builds the
+engine: what a configuration can make fail (a drafter for another target, a capability it
+lacks) fails the replica's start, which Serve retries ``max_constructor_retry_count`` times and
+``serve.run`` then reports. The warm-up (``Replica.warm_up``: the adaptive cap's round profile,
+measured on a host's first start per setting, then one short generation) runs on a thread once
+the constructor has returned, so Serve marks the replica running and routes to it: meanwhile
+``/health`` is 503 ``{"status": "warming_up", "phase": ...}`` and ``/v1/*`` a 503 OpenAI error
+with ``Retry-After`` (``/tokenize``, ``/detokenize`` and ``/metrics`` answer). ``check_health``
+passes while warming up: Serve runs it once at the end of start-up and counts a failure there as
+a failed start (the deployment fails for good after ``max_constructor_retry_count``), and replaces
+a running replica after three failed periodic checks, so failing it would restart any warm-up
+longer than three ``health_check_period_s``, for ever. It fails once the warm-up or an engine
+round failed (``/health`` 503 ``"dead"`` with the error); Serve then replaces the replica. The
+price of a background warm-up: to Serve a warming replica is up, so ``serve.run`` returns before
+it is warm (poll ``/health``) and a scale-up or rolling update routes requests to a new replica
+that answers them 503 + ``Retry-After`` until warm, rather than queueing them.
+
 No ``from __future__ import annotations`` here: the deployment class is pickled by value, and
 FastAPI must resolve its routes' ``Request`` annotations in the replica. Knows FastAPI, Ray
 Serve and the serving components; nothing about the engine's internals.
@@ -24,9 +41,10 @@ Serve and the serving components; nothing about the engine's internals.
 
 import hmac
 import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,17 +189,27 @@ async def respond(replica: Replica, model: str, params: Any, arrival: float) -> 
 
 
 def build_replica(cfg: SpeclineConfig, target_path: str, source: DrafterSource, model: str) -> Replica:
-    """One replica's engine parts (target, guarded drafter, batch engine) behind a ``Replica``."""
+    """One replica's engine parts (target, guarded drafter, batch engine) behind a ``Replica``,
+    not yet warm (``warm_up_steps``, ``Replica.warm_up``)."""
     from components.serving.parts import build_parts
     from components.serving.telemetry import ServingMetrics
 
     sc = cfg.serve
-    parts = build_parts(cfg.target, sc, target_path, source)
+    parts = build_parts(cfg.target, sc, target_path, source, adapt_now=False)
     replica = Replica(parts, served_for(parts.target, sc, model), sc.max_queued_requests, sc.sampled_rule,
                       sc.overload_status, sc.retry_after_s, source.label if source.path else None,
                       ServingMetrics(model, export_to_ray=True))
-    log.info("replica up in %.1f s: %s, drafter %s", parts.startup_seconds, model, source.label)
+    log.info("replica loaded in %.1f s: %s, drafter %s; warming up", parts.startup_seconds, model, source.label)
     return replica
+
+
+def warm_up_steps(replica: Replica, sc: ServeConfig) -> list[tuple[str, Callable[[], None]]]:
+    """The warm-up's own steps before the warm-up generation: the adaptive cap's round profile."""
+    from components.serving.parts import adapt
+
+    if not sc.adaptive or replica.parts.drafter is None:
+        return []
+    return [("round profile", lambda: adapt(replica.parts, sc))]
 
 
 def make_server_class() -> type:
@@ -198,6 +226,11 @@ def make_server_class() -> type:
         def __init__(self, cfg: SpeclineConfig, target_path: str, source: DrafterSource, api_key: str | None):
             self.model, self.source, self.api_key, self.sc = model_id(cfg), source, api_key, cfg.serve
             self.replica = build_replica(cfg, target_path, source, self.model)
+            threading.Thread(target=self.warm_up, name="specline-warm-up", daemon=True).start()
+
+        def warm_up(self) -> None:
+            """On the warm-up thread (module docstring)."""
+            self.replica.warm_up(warm_up_steps(self.replica, self.sc))
 
         def check_health(self) -> None:
             self.replica.check_health()
@@ -209,7 +242,9 @@ def make_server_class() -> type:
 
         async def _generate(self, kind: str, request: Request) -> Any:
             arrival = time.perf_counter()
-            params = parse_request(kind, await self._body(request), self.replica.served)
+            body = await self._body(request)
+            self.replica.check_ready()
+            params = parse_request(kind, body, self.replica.served)
             return await respond(self.replica, self.model, params, arrival)
 
         @api.post("/v1/completions")
@@ -223,6 +258,7 @@ def make_server_class() -> type:
         @api.get("/v1/models")
         async def models(self, request: Request) -> Any:
             check_key(request, self.api_key)
+            self.replica.check_ready()
             return JSONResponse(model_card(self.model, self.source, self.replica))
 
         @api.get("/health")

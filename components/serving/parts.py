@@ -8,8 +8,12 @@ or (``adaptive``, default) ``AdaptiveDraftLength`` over the engine's round times
 per host and setting and stored under ``profile_dir`` (``stored_round_times``).
 
 A drafter trained for another target or tokenizer is refused with every mismatch named
-(``load_drafter``'s check), as a ``ConfigError``. Knows the config, the target and drafter
-loaders and the engine's constructor; nothing about HTTP, requests or Ray.
+(``load_drafter``'s check), as a ``ConfigError``; so is an engine setting the drafter cannot
+serve. ``build_parts(..., adapt_now=False)`` stops there (what a configuration can make fail,
+checked at once) with a fixed-cap engine; ``adapt(parts, sc)`` then reads or measures the round
+profile and rebuilds the engine with the adaptive cap (a replica's warm-up, ``replica.py``).
+Knows the config, the target and drafter loaders and the engine's constructor; nothing about
+HTTP, requests or Ray.
 """
 
 from __future__ import annotations
@@ -41,33 +45,54 @@ class EngineParts:
     engine: BatchEngine
     settings: dict[str, Any] = field(default_factory=dict)  # what /v1/models reports
     startup_seconds: float = 0.0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # the drafting settings ``adapt`` rebuilds with
 
 
-def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, source: DrafterSource) -> EngineParts:
-    """Loads the target and drafter and builds the engine as ``sc`` configures it."""
+def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, source: DrafterSource,
+                adapt_now: bool = True) -> EngineParts:
+    """Loads the target and drafter and builds the engine as ``sc`` configures it; with
+    ``adapt_now=False`` the adaptive cap is left for ``adapt`` (the engine drafts fixed γ until then)."""
     t0 = time.perf_counter()
     if sc.torch_threads > 0:
         torch.set_num_threads(sc.torch_threads)
     target = load_target(dataclasses.replace(target_cfg, name_or_path=target_path), progress=False)
     drafter = _load(source, target)
     carryover = _carryover(sc, drafter)
-    kwargs: dict[str, Any] = {"num_speculative_tokens": sc.num_speculative_tokens, "loop_stages": sc.loop_stages, "loop_gate": sc.loop_gate,
-                              "carryover": carryover}
+    kwargs: dict[str, Any] = {"num_speculative_tokens": sc.num_speculative_tokens, "loop_stages": sc.loop_stages,
+                              "loop_gate": sc.loop_gate, "carryover": carryover}
     guarded = GuardedDrafter(drafter, target.vocab_size) if drafter is not None else None
-    policy, profile = _policy(sc, target, guarded, kwargs)
-    try:
-        engine = BatchEngine(target, guarded, max_batch_size=sc.max_ongoing_requests, draft_length=policy,
-                             tree_budget=sc.tree_budget if guarded is not None else 0, tree_builder=sc.tree_builder,
-                             **kwargs)
-    except (ValueError, DrafterError) as err:  # a capability the drafter lacks, a bad tree builder
-        raise ConfigError(f"serve: cannot build the engine: {err}") from None
+    engine = _engine(sc, target, guarded, kwargs, None)
     settings = {"num_speculative_tokens": engine.num_speculative_tokens, "max_cap": engine.max_cap, "loop_stages": sc.loop_stages,
-                "loop_gate": sc.loop_gate, "carryover": carryover, "adaptive": policy is not None,
-                "round_profile": profile, "tree_budget": sc.tree_budget if guarded is not None else 0,
+                "loop_gate": sc.loop_gate, "carryover": carryover, "adaptive": False,
+                "round_profile": None, "tree_budget": sc.tree_budget if guarded is not None else 0,
                 "tree_builder": sc.tree_builder, "sampled_rule": sc.sampled_rule,
                 "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
                 "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device)}
-    return EngineParts(target, guarded, engine, settings, time.perf_counter() - t0)
+    parts = EngineParts(target, guarded, engine, settings, 0.0, kwargs)
+    if adapt_now:
+        adapt(parts, sc)
+    parts.startup_seconds = time.perf_counter() - t0
+    return parts
+
+
+def adapt(parts: EngineParts, sc: ServeConfig) -> None:
+    """The adaptive cap (``serve.adaptive`` with a drafter): the round profile stored for this
+    setting, else measured and stored, and ``parts.engine`` rebuilt with it. Nothing otherwise."""
+    policy, profile = _policy(sc, parts.target, parts.drafter, parts.engine_kwargs)
+    if policy is None:
+        return
+    parts.engine = _engine(sc, parts.target, parts.drafter, parts.engine_kwargs, policy)
+    parts.settings |= {"adaptive": True, "round_profile": profile}
+
+
+def _engine(sc: ServeConfig, target: Any, guarded: GuardedDrafter | None, kwargs: dict[str, Any],
+            policy: Any) -> BatchEngine:
+    try:
+        return BatchEngine(target, guarded, max_batch_size=sc.max_ongoing_requests, draft_length=policy,
+                           tree_budget=sc.tree_budget if guarded is not None else 0, tree_builder=sc.tree_builder,
+                           **kwargs)
+    except (ValueError, DrafterError) as err:  # a capability the drafter lacks, a bad tree builder
+        raise ConfigError(f"serve: cannot build the engine: {err}") from None
 
 
 def _load(source: DrafterSource, target: Any) -> Any:

@@ -9,19 +9,26 @@ the ``Outcome`` with usage and the request's speculative statistics. Leaving ``g
 (client gone: the task is cancelled) cancels the engine request, whose rows are freed at the
 next round.
 
-Health: once a round has failed (``EngineError`` in any stream), the replica is dead for good:
-``check_health`` raises, so Ray Serve replaces it, and requests get 503. A metrics thread reads
-the engine's counters every ``poll_s`` into ``ServingMetrics``. Knows the engine's public API
-(``AsyncEngine``, ``BatchEngine.stats/caps/running/waiting``) and the protocol's records.
+Lifecycle: ``warming_up`` → ``ok`` | ``dead``. A new ``Replica`` is warming up: ``admit`` refuses
+with 503 ``warming_up`` + ``Retry-After``, ``check_health`` passes, ``status()`` says so, until
+``warm_up(steps)`` has run its steps (the caller's: e.g. ``parts.adapt``, the adaptive cap's
+round profile), started the engine thread and completed one short greedy generation (the
+first rounds' one-time costs are paid before traffic; its counters are not exported). Once the
+warm-up or a round has failed (``EngineError`` in any stream), the replica is dead for good:
+``check_health`` raises, so Ray Serve replaces it, and requests get 503 ``engine_dead``. A
+metrics thread reads the engine's counters every ``poll_s`` into ``ServingMetrics`` once warm.
+Knows the engine's public API (``AsyncEngine``, ``BatchEngine.stats/caps/running/waiting``) and
+the protocol's records; not when or on which thread the warm-up runs (``app.py`` decides).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +41,8 @@ from components.serving.telemetry import ServingMetrics
 from components.spec.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
+WARM_UP_PROMPT = "def hello(name):\n    return"  # any text: the warm-up generation's prompt
+WARMING, OK, DEAD = "warming_up", "ok", "dead"
 
 
 @dataclass
@@ -51,44 +60,86 @@ class Replica:
                  overload_status: int = 503, retry_after_s: int = 1, drafter_label: str | None = None,
                  metrics: ServingMetrics | None = None, poll_s: float = 0.5):
         self.parts, self.served = parts, served
-        self.engine = AsyncEngine(parts.engine)
         self.capacity = parts.engine.max_batch_size + int(max_queued)
         self.sampled_rule, self.overload_status, self.retry_after_s = sampled_rule, overload_status, retry_after_s
         self.drafter_label = drafter_label
         self.metrics = metrics or ServingMetrics(served.model, export_to_ray=False)
         self.admitted = 0  # requests between admission and their end
-        self.error: str | None = None  # set once a round failed: the replica is dead
+        self.engine: AsyncEngine | None = None  # started by warm_up
+        self.phase: str | None = "loaded"  # the warm-up step under way; None once warm
+        self.error: str | None = None  # set once the warm-up or a round failed: the replica is dead
+        self.created = time.perf_counter()
         self._seen = _Seen()
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, args=(poll_s,), name="specline-metrics", daemon=True)
         self._poller.start()
 
+    # ------------------------------------------------------------------ warm-up
+    def warm_up(self, steps: Sequence[tuple[str, Callable[[], None]]] = ()) -> bool:
+        """Runs ``steps`` (phase name, call), starts the engine thread and one short greedy
+        generation; then the replica is ``ok``. Never raises: a failure makes it ``dead``."""
+        try:
+            for phase, step in steps:
+                self.phase = phase
+                step()
+            self.phase = "warm-up generation"
+            self.engine = AsyncEngine(self.parts.engine)
+            asyncio.run(self.engine.generate(self._warm_up_request()))
+        except Exception as err:  # noqa: BLE001  (a failed warm-up is reported, not raised: see check_health)
+            self._died(err, during=f"warm-up ({self.phase})")
+            return False
+        self._seen.baseline(self.parts)
+        self.phase = None
+        log.info("replica warm %.1f s after it was created", time.perf_counter() - self.created)
+        return True
+
+    def _warm_up_request(self) -> Request:
+        ids = list(self.served.tokenizer.encode(WARM_UP_PROMPT))[:16] or [0]
+        room = max(1, self.served.max_model_len - len(ids))
+        return Request(ids, min(room, 2 * (self.parts.engine.max_cap + 1)), GREEDY, 0, "greedy",
+                       speculate=True, request_id=f"warm-up-{uuid.uuid4().hex[:8]}")
+
     # ------------------------------------------------------------------ health
     @property
+    def state(self) -> str:
+        return DEAD if self.error is not None else WARMING if self.phase is not None else OK
+
+    @property
     def healthy(self) -> bool:
-        return self.error is None
+        """Ready for traffic (what ``/health`` answers 200 for)."""
+        return self.state == OK
 
     def check_health(self) -> None:
-        """Raises while the engine is dead (Ray Serve then replaces the replica)."""
+        """Raises once the replica is dead (Ray Serve then replaces it); passes while it warms up."""
         if self.error is not None:
             raise RuntimeError(f"engine is dead: {self.error}")
 
     def status(self) -> dict[str, Any]:
         eng = self.parts.engine
-        return {"status": "ok" if self.healthy else "dead", "error": self.error, "running": len(eng.running),
+        return {"status": self.state, "phase": self.phase, "error": self.error,
+                "uptime_s": round(time.perf_counter() - self.created, 3), "running": len(eng.running),
                 "waiting": len(eng.waiting), "admitted": self.admitted, "capacity": self.capacity,
-                "drafter_failures": self.parts.drafter.failures if self.parts.drafter is not None else 0}
+                "drafter_failures": _failures(self.parts)}
+
+    def check_ready(self) -> None:
+        """Raises the 503 ``APIError`` (with ``Retry-After``) while warming up or once dead."""
+        retry = {"Retry-After": str(self.retry_after_s)}
+        if self.error is not None:
+            raise APIError(503, f"the engine of this replica failed ({self.error}); it is being replaced, "
+                                "retry shortly", code="engine_dead", headers=retry)
+        if self.phase is not None:
+            raise APIError(503, f"this replica is warming up ({self.phase}); retry after {self.retry_after_s} s",
+                           code="warming_up", headers=retry)
 
     def shutdown(self) -> None:
         self._stop.set()
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
 
     # ------------------------------------------------------------------ generation
     def admit(self) -> None:
-        """Takes one request in, or raises the overload / dead-engine ``APIError``."""
-        if self.error is not None:
-            raise APIError(503, f"the engine of this replica failed ({self.error}); it is being replaced, "
-                                "retry shortly", code="engine_dead", headers={"Retry-After": str(self.retry_after_s)})
+        """Takes one request in, or raises the warming-up / dead-engine / overload ``APIError``."""
+        self.check_ready()
         if self.admitted >= self.capacity:
             self.metrics.inc("specline:requests_rejected", reason="overload")
             code = "rate_limit_exceeded" if self.overload_status == 429 else "overloaded"
@@ -118,6 +169,7 @@ class Replica:
         chunks: list[int] = []
         first: float | None = None
         result, reason = None, None
+        assert self.engine is not None, "admit() refuses requests until the replica is warm"
         stream = self.engine.stream(self.request_for(params, rid))
         try:
             async for out in stream:
@@ -148,10 +200,10 @@ class Replica:
         self._observe(params, out, arrival, first)
         yield out
 
-    def _died(self, err: BaseException) -> None:
+    def _died(self, err: BaseException, during: str = "a round") -> None:
         if self.error is None:
-            self.error = str(err)
-            log.error("engine failed; this replica reports unhealthy from now on: %s", err)
+            self.error = str(err) if during == "a round" else f"{during}: {type(err).__name__}: {err}"
+            log.error("engine failed in %s; this replica reports unhealthy from now on: %s", during, err)
 
     def _observe(self, params: GenerateParams, out: Outcome, arrival: float, first: float | None) -> None:
         m, now, n = self.metrics, time.perf_counter(), len(out.token_ids)
@@ -175,10 +227,11 @@ class Replica:
 
     def poll_metrics(self) -> None:
         """The engine's counters since the last call, into the metrics (also called by /metrics)."""
+        if self.phase is not None:
+            return  # warming up: the warm-up generation's counters become the baseline instead
         eng, m, seen = self.parts.engine, self.metrics, self._seen
         with seen.lock:
-            st = eng.stats
-            now = (st.drafting_rounds, st.drafted, st.accepted, list(st.accepted_at), st.tokens, st.busy_seconds)
+            now = _counts(eng)
             m.inc("vllm:spec_decode_num_drafts", now[0] - seen.counts[0])
             m.inc("vllm:spec_decode_num_draft_tokens", now[1] - seen.counts[1])
             m.inc("vllm:spec_decode_num_accepted_tokens", now[2] - seen.counts[2])
@@ -191,7 +244,7 @@ class Replica:
             for cap in list(eng.caps)[len(eng.caps) - new:]:
                 m.observe("specline:spec_decode_draft_cap", float(cap))
             seen.counts, seen.caps = now, eng.capped_rounds
-            failures = self.parts.drafter.failures if self.parts.drafter is not None else 0
+            failures = _failures(self.parts)
             m.inc("specline:spec_decode_fallbacks", failures - seen.failures)
             seen.failures = failures
         m.set("vllm:num_requests_running", len(eng.running))
@@ -220,6 +273,20 @@ class _Seen:
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
+
+    def baseline(self, parts: EngineParts) -> None:
+        """The engine's counters as they are now, taken as exported (the warm-up's are not traffic)."""
+        with self.lock:
+            self.counts, self.caps, self.failures = _counts(parts.engine), parts.engine.capped_rounds, _failures(parts)
+
+
+def _counts(eng: Any) -> tuple[Any, ...]:
+    st = eng.stats
+    return st.drafting_rounds, st.drafted, st.accepted, list(st.accepted_at), st.tokens, st.busy_seconds
+
+
+def _failures(parts: EngineParts) -> int:
+    return parts.drafter.failures if parts.drafter is not None else 0
 
 
 def _at(values: list[int], k: int) -> int:

@@ -1,6 +1,7 @@
 """The serve stage as the last stage of the full pipeline: it serves the train stage's drafter
-(``serve.block=false`` returns once the app is up), prints the endpoint and a sample curl, and
-its MLflow run records which drafter run it serves; missing inputs are clear errors."""
+(``serve.block=false`` returns once the app is up; its replica answers once warm), prints the
+endpoint and a sample curl, and its MLflow run records which drafter run it serves; missing
+inputs are clear errors."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from components.config import ConfigError, DrafterConfig, ServeConfig, SpeclineConfig
 from components.tracking import Tracker
 from pipelines import full, serve
-from tests.components.serving.http_util import free_port, request
+from tests.components.serving.http_util import free_port, request, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +48,8 @@ def test_serve_is_the_full_pipelines_last_stage(spec_cfg, tiny_target_build, dra
             out = full.run(cfg, tracker, upstream)
         assert out["serve_endpoint"] == f"http://127.0.0.1:{cfg.serve.port}"
         assert out["serve_drafter_run_id"] == "train-run-1" and out["serve_model"] == "tiny"
+        # the stage returns once Serve routes to the replica, which may still be warming up
+        assert wait_for(lambda: request(cfg.serve.port, "GET", "/health")[0] == 200, timeout=60)
         status, _, body = request(cfg.serve.port, "GET", "/v1/models")
         drafter = json.loads(body)["data"][0]["specline"]["drafter"]
         assert status == 200 and (drafter["run_id"], drafter["version"]) == ("train-run-1", 3)

@@ -2,7 +2,13 @@
 client, ≥16 concurrent mixed requests with greedy output equal to the target's own token for
 token and seeded sampling reproducible with and without speculation, every bad input's 4xx and
 body, the API key, stop strings in streams, overload answered within a second, a client
-disconnect freeing its rows, the metrics, and a killed replica replaced."""
+disconnect freeing its rows, the metrics, an engine-thread failure (503, then Serve's health
+check replaces the replica, whose successor answers 503 warming_up until warm) and a killed
+replica replaced.
+
+The app is the real deployment class with two test hooks (``hooked_server_class``): each
+replica's warm-up waits for a gate file, and an engine round with a ``POISON``-token request
+raises inside the engine thread."""
 
 from __future__ import annotations
 
@@ -20,22 +26,88 @@ from tests.components.serving.http_util import free_port, post, request, sse_eve
 
 KEY = "test-key"
 MODEL = "tiny"
+HEALTH_PERIOD_S = 1.0
+POISON = 77  # max_tokens of the request whose engine round raises (no other test asks for 77)
 pytestmark = pytest.mark.slow
 
 
+def hooked_server_class(gate: str, poison: int) -> type:
+    """The app's deployment class, whose warm-up first waits for the file ``gate`` and then arms
+    a fault: once a request for ``poison`` new tokens has joined the batch, the engine's rounds
+    raise (as a lost device would), on the engine thread. Defined in a function so that Serve
+    pickles it by value."""
+    import os
+
+    from components.serving.app import make_server_class, warm_up_steps
+
+    def arm(engine) -> None:
+        add, step, poisoned = engine.add, engine.step, []
+
+        def add_hooked(req):
+            if req.max_new_tokens == poison:
+                poisoned.append(req.request_id)
+            return add(req)
+
+        def step_hooked():
+            if poisoned:
+                raise RuntimeError("injected fault: device lost")
+            return step()
+
+        engine.add, engine.step = add_hooked, step_hooked
+
+    class HookedServer(make_server_class()):
+        def warm_up(self) -> None:
+            while not os.path.exists(gate):
+                time.sleep(0.05)
+            steps = [*warm_up_steps(self.replica, self.sc), ("fault hook", lambda: arm(self.replica.parts.engine))]
+            self.replica.warm_up(steps)
+
+    return HookedServer
+
+
 @pytest.fixture(scope="module")
-def port(ray_session, tiny_target_cfg, tiny_target_build, serving_drafter, tmp_path_factory):
+def served(ray_session, tiny_target_cfg, tiny_target_build, serving_drafter, tmp_path_factory):
+    """(port, the warm-up gate file), once the replica is warm."""
     from ray import serve
 
-    from pipelines.serve import start_app
+    from components.serving.app import deployment_options
 
     sc = ServeConfig(port=free_port(), model_name=MODEL, adaptive=False, max_ongoing_requests=8,
-                     max_queued_requests=12, cpus_per_replica=0.5, max_body_bytes=20_000, health_check_period_s=2,
-                     health_check_timeout_s=10)
-    cfg = SpeclineConfig(run_dir=str(tmp_path_factory.mktemp("serve-app")), target=tiny_target_cfg, serve=sc)
-    start_app(cfg, str(tiny_target_build[0]), DrafterSource(str(serving_drafter), "test", run_id="run-123"), KEY)
-    yield sc.port
+                     max_queued_requests=12, cpus_per_replica=0.5, max_body_bytes=20_000,
+                     health_check_period_s=HEALTH_PERIOD_S, health_check_timeout_s=10)
+    run_dir = tmp_path_factory.mktemp("serve-app")
+    cfg = SpeclineConfig(run_dir=str(run_dir), target=tiny_target_cfg, serve=sc)
+    gate = run_dir / "warm-up-gate"
+    gate.touch()
+    server = serve.deployment(hooked_server_class(str(gate), POISON), name="SpeclineServer",
+                              **deployment_options(sc))
+    source = DrafterSource(str(serving_drafter), "test", run_id="run-123")
+    serve.start(http_options={"host": sc.host, "port": sc.port})
+    serve.run(server.bind(cfg, str(tiny_target_build[0]), source, KEY), name=sc.app_name, route_prefix="/")
+    assert wait_for(lambda: _health(sc.port)[0] == 200, timeout=60), "the replica did not warm up"
+    yield sc.port, gate
     serve.shutdown()
+
+
+@pytest.fixture
+def port(served) -> int:
+    return served[0]
+
+
+def _health(port: int) -> tuple[int, dict]:
+    """(status, body); the body is {} when it is not the replica's JSON (Serve's own answer)."""
+    status, _, data = request(port, "GET", "/health", timeout=10)
+    try:
+        return status, json.loads(data)
+    except ValueError:
+        return status, {}
+
+
+def _replicas() -> set[str]:
+    import ray
+
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "serve" and "SpeclineServer" in a["name"]}
 
 
 def _client(port: int):
@@ -203,17 +275,55 @@ def test_metrics_after_traffic(port):
     assert wait_for(exported, timeout=40, every=2), "spec-decode counters not on Ray's metrics port"
 
 
+def test_engine_failure_replaces_the_replica_and_the_new_one_warms_up_first(served):
+    port, gate = served
+    old = _replicas()
+    assert len(old) == 1 and _health(port)[0] == 200
+    gate.unlink()  # the next replica's warm-up waits until the gate is back
+    try:
+        status, body = post(port, "/v1/completions", {"prompt": "def", "max_tokens": POISON}, KEY)
+        assert status == 503 and body["error"]["code"] == "engine_dead", body
+        assert "injected fault" in body["error"]["message"]
+        status, health = _health(port)
+        assert status == 503 and health["status"] == "dead" and "injected fault" in health["error"]
+        assert post(port, "/v1/completions", {"prompt": "def", "max_tokens": 4}, KEY)[0] == 503
+        t0 = time.monotonic()
+        new = wait_for(lambda: _replicas() - old, timeout=60)  # only a failing check_health replaces it
+        assert new, "Serve did not replace the replica whose engine failed"
+        replaced_s = time.monotonic() - t0
+        warming = wait_for(lambda: (h := _health(port))[1].get("status") == "warming_up" and h, timeout=60)
+        assert warming and warming[0] == 503 and warming[1]["phase"] and warming[1]["error"] is None
+        _refused_while_warming(port)
+        time.sleep(3.5 * HEALTH_PERIOD_S)  # check_health passes while warming: Serve keeps the replica
+        assert _replicas() == new and _health(port)[1].get("status") == "warming_up"
+    finally:
+        gate.touch()
+    assert wait_for(lambda: _health(port)[0] == 200, timeout=30), "the new replica did not warm up"
+    done = post(port, "/v1/completions", {"prompt": "def", "max_tokens": 4, "temperature": 0}, KEY)
+    assert done[0] == 200 and done[1]["usage"]["completion_tokens"] >= 1
+    print(f"replica replaced {replaced_s:.1f} s after its engine failed")
+
+
+def _refused_while_warming(port: int) -> None:
+    """/v1/* is a 503 OpenAI error with Retry-After while warming up; the tokenizer routes answer."""
+    for method, path, body in (("POST", "/v1/completions", {"prompt": "def", "max_tokens": 4}),
+                               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                               ("GET", "/v1/models", None)):
+        status, headers, data = request(port, method, path, body, KEY)
+        error = json.loads(data)["error"]
+        assert (status, error["code"], headers.get("retry-after")) == (503, "warming_up", "1"), (path, error)
+        assert error["type"] == "service_unavailable" and "warming up" in error["message"]
+    assert request(port, "POST", "/v1/completions", {"prompt": "def"}, "wrong")[0] == 401  # the key first
+    assert post(port, "/tokenize", {"prompt": "def"}, KEY)[0] == 200
+
+
 def test_killed_replica_is_replaced(port):
     import ray
 
-    def replicas() -> set[str]:
-        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["namespace"] == "serve" and "SpeclineServer" in a["name"]}
-
-    old = replicas()
+    old = _replicas()
     assert len(old) == 1
     ray.kill(ray.get_actor(next(iter(old)), namespace="serve"), no_restart=True)
-    assert wait_for(lambda: replicas() - old, timeout=90), "Serve did not start a new replica"
+    assert wait_for(lambda: _replicas() - old, timeout=90), "Serve did not start a new replica"
     ok = wait_for(lambda: post(port, "/v1/completions", {"prompt": "def", "max_tokens": 4}, KEY)[0] == 200,
                   timeout=90, every=1)
     assert ok, "requests still fail after the replica was replaced"

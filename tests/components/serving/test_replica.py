@@ -1,6 +1,7 @@
 """The replica without HTTP or Ray: greedy output equals the target's own; a drafter failure
 falls back to plain decoding with the same output and is counted; an engine failure makes the
-replica unhealthy; admission refuses past capacity at once; a drafter for another target is
+replica unhealthy; it refuses requests (503 warming_up) until its warm-up is done and is dead
+after a failed warm-up; admission refuses past capacity at once; a drafter for another target is
 refused naming the mismatch; the adaptive cap's round profile is measured once and reused."""
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import shutil
 
 import pytest
 
-from components.config import ConfigError
+from components.config import ConfigError, ServeConfig
+from components.serving.app import served_for, warm_up_steps
+from components.serving.parts import build_parts
 from components.serving.protocol import APIError, parse_request
+from components.serving.provenance import DrafterSource
 from components.serving.replica import Replica
 from components.serving.responses import Outcome
 from tests.components.serving.conftest import greedy_reference, make_parts, prompt_ids
@@ -42,6 +46,7 @@ async def _many(replica: Replica, bodies: list[dict]) -> list[Outcome]:
 def replica(tiny_target_cfg, tiny_target_build, serving_drafter):
     parts, served, sc = make_parts(tiny_target_cfg, tiny_target_build, serving_drafter)
     rep = Replica(parts, served, sc.max_queued_requests, drafter_label="test")
+    assert rep.warm_up()
     yield rep
     rep.shutdown()
 
@@ -103,10 +108,62 @@ def test_engine_failure_makes_the_replica_unhealthy(replica, tiny_target):
     assert info.value.status == 503 and info.value.headers["Retry-After"]
 
 
+def test_requests_are_refused_until_the_warm_up_is_done(tiny_target_cfg, tiny_target_build, serving_drafter,
+                                                        tiny_target):
+    parts, served, sc = make_parts(tiny_target_cfg, tiny_target_build, serving_drafter)
+    rep = Replica(parts, served, sc.max_queued_requests, retry_after_s=2)
+    try:
+        with pytest.raises(APIError) as info:
+            rep.admit()
+        err = info.value
+        assert (err.status, err.code, err.headers) == (503, "warming_up", {"Retry-After": "2"})
+        assert rep.status()["status"] == "warming_up" and not rep.healthy and rep.admitted == 0
+        rep.check_health()  # passes while warming up: Ray Serve would count a failure as a failed start
+        assert warm_up_steps(rep, sc) == []  # fixed γ: nothing but the warm-up generation
+        assert rep.warm_up() and rep.healthy and rep.status()["status"] == "ok"
+        assert parts.engine.stats.drafting_rounds > 0  # the warm-up generation ran, speculatively
+        rep.poll_metrics()
+        assert rep.metrics.value("vllm:spec_decode_num_drafts") == 0  # ... and is not exported as traffic
+        prompt = prompt_ids(tiny_target, 1)[0]
+        assert asyncio.run(_run(rep, _greedy(prompt))).token_ids == greedy_reference(tiny_target, prompt, NEW)
+    finally:
+        rep.shutdown()
+
+
+def test_warm_up_measures_the_adaptive_cap_or_fails_the_replica(tiny_target_cfg, tiny_target_build,
+                                                                serving_drafter, tmp_path):
+    sc = ServeConfig(adaptive=True, profile_dir=str(tmp_path), max_ongoing_requests=2, num_speculative_tokens=2)
+    parts = build_parts(tiny_target_cfg, sc, str(tiny_target_build[0]), DrafterSource(str(serving_drafter), "test"),
+                        adapt_now=False)
+    assert not parts.settings["adaptive"] and not list(tmp_path.glob("*.json"))  # left for the warm-up
+    rep = Replica(parts, served_for(parts.target, sc, "tiny"), 2)
+    try:
+        assert [phase for phase, _ in warm_up_steps(rep, sc)] == ["round profile"]
+        assert rep.warm_up(warm_up_steps(rep, sc)) and rep.healthy
+        assert parts.settings["adaptive"] and parts.settings["round_profile"].startswith("measured")
+        assert rep.engine.engine is parts.engine  # the engine thread drives the rebuilt engine
+    finally:
+        rep.shutdown()
+
+    def broken() -> None:
+        raise OSError("profile_dir is read-only")
+
+    failed = Replica(parts, served_for(parts.target, sc, "tiny"), 2)
+    assert not failed.warm_up([("round profile", broken)])
+    assert failed.status()["status"] == "dead" and "round profile" in failed.error and "read-only" in failed.error
+    with pytest.raises(RuntimeError, match="read-only"):
+        failed.check_health()
+    with pytest.raises(APIError) as info:
+        failed.admit()
+    assert info.value.status == 503 and info.value.code == "engine_dead"
+    failed.shutdown()
+
+
 def test_admission_refuses_past_capacity_at_once(tiny_target_cfg, tiny_target_build):
     parts, served, _ = make_parts(tiny_target_cfg, tiny_target_build, None, max_ongoing_requests=1)
     rep = Replica(parts, served, max_queued=1, overload_status=429, retry_after_s=1)
     try:
+        assert rep.warm_up()
         rep.admit()
         rep.admit()
         with pytest.raises(APIError) as info:
