@@ -109,12 +109,12 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._apply_commands()
-            if not self.engine.has_work:
-                self._wake.wait(self._idle_wait_s)
-                self._wake.clear()
-                continue
             try:
+                self._apply_commands()  # inside the try: a failing add/cancel must not end the thread silently
+                if not self.engine.has_work:
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+                    continue
                 outputs = self.engine.step()
             except BaseException as exc:  # noqa: BLE001  (delivered to every caller, then stop)
                 self._fail(exc)

@@ -69,3 +69,18 @@ def test_failing_round_reaches_every_stream(tiny_target, async_engine):
                 pass
 
     asyncio.run(main())
+
+
+def test_a_failing_admission_fails_the_streams_instead_of_hanging_them(tiny_target, async_engine):
+    def broken_add(request: Request) -> str:
+        raise RuntimeError("queue corrupted")
+
+    async_engine.engine.add = broken_add  # the engine thread's next command fails
+
+    async def main():
+        prompt = requests(tiny_target)[0].prompt_ids
+        with pytest.raises(EngineError, match="queue corrupted"):
+            async for _ in async_engine.stream(Request(prompt, 5)):
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))  # before the fix: the stream waited for ever
