@@ -74,6 +74,9 @@ def write_worker_lines(data: dict[str, Any]) -> None:
         logging.getLogger(__name__).debug("cluster: a batch of worker output was dropped", exc_info=True)
 
 
+_last_progress = [""]  # the last progress line shown (Ray's log thread is the only writer)
+
+
 def _write_worker_lines(data: dict[str, Any]) -> None:
     log = logging.getLogger(logs.WORKER_LOGGER)
     who = data.get("actor_name") or data.get("task_name") or ""
@@ -82,7 +85,13 @@ def _write_worker_lines(data: dict[str, Any]) -> None:
         where += f", ip={data['ip']}"
     stream = "stderr" if data.get("is_err") else "stdout"
     for line in _text_lines(data):
-        log.info("(%s %s) %s", where, stream, line.rstrip())
+        if line.startswith(logs.PROGRESS_MARK):  # a worker's progress: on the console as a stage line
+            text = line[len(logs.PROGRESS_MARK):].rstrip()
+            if text != _last_progress[0]:  # Ray Train streams a worker's line twice; progress lines all differ
+                _last_progress[0] = text
+                logging.getLogger(logs.CONSOLE_LOGGER).info("%s", text)
+        else:
+            log.info("(%s %s) %s", where, stream, line.rstrip())
 
 
 def route_worker_output(level: str | None) -> None:

@@ -38,6 +38,14 @@ CONSOLE_LOGGER = "specline"  # the lines a person follows (stage starts and ends
 PROJECT_LOGGERS = ("components", "pipelines")  # our modules' loggers: their warnings are for a person
 WORKER_LOGGER = "specline.workers"  # Ray workers' stdout/stderr, streamed to the driver: file only
 FILE_ONLY = {"file_only": True}  # ``extra=`` of a record for the file alone (e.g. a stage's result)
+# A worker line that starts with this is progress for a person (e.g. the train stage's rank 0
+# every train.log_every steps): the driver shows it on the console as a stage line (cluster.py).
+PROGRESS_MARK = "[specline progress] "
+
+
+def progress_line(text: str) -> str:
+    """What a Ray worker prints (flushed) for the driver to show ``text`` on the console."""
+    return PROGRESS_MARK + text
 # Libraries that install a console handler of their own and stop propagation.
 LIBRARY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.serve", "transformers", "mlflow",
                    "alembic")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from components.config import SpeclineConfig
 from components.drafters import build_drafter, load_drafter
+from components.logs import progress_line
 from components.training import sharding
 from components.training.inputs import shared_draft_vocab
 from components.training.objectives import ObjectiveContext, build_objective, objective_class
@@ -135,6 +137,16 @@ def _window_metrics(window: list[dict[str, float]], seconds: float) -> dict[str,
     return out
 
 
+def _progress_text(metrics: dict[str, float], total: int) -> str:
+    """One console line: step, loss, first-draft acceptance and seconds a step of the last window."""
+    parts = [f"train: step {int(metrics['train/step'])}/{total}"]
+    for key, label, fmt in (("train/loss", "loss", ".3f"), ("train/alpha/1", "α1", ".2f"),
+                            ("train/tau", "τ", ".2f"), ("train/step_seconds", "s/step", ".1f")):
+        if key in metrics:
+            parts.append(f"{label} {metrics[key]:{fmt}}")
+    return ", ".join(parts)
+
+
 def _run(state: TrainState, shard: Any, cfg: SpeclineConfig, plan: dict[str, int], sink: MetricSink,
          rank: int, extra: dict[str, Any]) -> None:
     tc, spe, total = cfg.train, plan["steps_per_epoch"], plan["total_steps"]
@@ -161,6 +173,8 @@ def _run(state: TrainState, shard: Any, cfg: SpeclineConfig, plan: dict[str, int
                 metrics = _window_metrics(window, time.perf_counter() - t0)
                 metrics.update({"train/first_loss": first_loss, "train/epoch": epoch, "train/step": state.step})
                 sink.log(metrics, state.step)
+                if rank == 0:
+                    print(progress_line(_progress_text(metrics, total)), file=sys.stderr, flush=True)
                 _report(state, metrics, rank, save)
                 saved_at = state.step if save else saved_at
                 window, t0 = [], time.perf_counter()

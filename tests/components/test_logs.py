@@ -143,3 +143,21 @@ def test_ray_worker_output_goes_to_the_file_not_the_console(tmp_path, ray_sessio
         dispatcher.handlers = saved
     out, err = capfd.readouterr()
     assert marker not in out and marker not in err
+
+
+def test_a_workers_progress_line_is_a_console_line(tmp_path, ray_session, capsys):
+    with logs.session(_cfg(tmp_path), "demo") as path:
+        cluster.write_worker_lines({"pid": 7, "actor_name": "RayTrainWorker", "is_err": False,
+                                    "lines": [logs.progress_line("train: step 10/200, loss 1.234"), "chatter"]})
+        cluster.write_worker_lines({"pid": 7, "lines": [logs.progress_line("train: step 10/200, loss 1.234")]})
+    err = capsys.readouterr().err
+    assert err.count("train: step 10/200, loss 1.234") == 1  # delivered twice, shown once
+    assert "[specline progress]" not in err and "chatter" not in err
+    assert "train: step 10/200" in path.read_text() and "(RayTrainWorker pid=7 stdout) chatter" in path.read_text()
+
+
+def test_the_train_loops_progress_text_names_step_loss_and_acceptance():
+    from components.training.loop import _progress_text
+
+    text = _progress_text({"train/step": 20, "train/loss": 1.5, "train/alpha/1": 0.25, "train/step_seconds": 2.5}, 200)
+    assert text == "train: step 20/200, loss 1.500, α1 0.25, s/step 2.5"
