@@ -15,8 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from components.config import SpeclineConfig
-
-REFERENCE = "target_only"  # the evaluation's plain decoding: speedups are relative to it
+from components.evaluation.methods import REFERENCE  # plain decoding: speedups are relative to it
 
 
 def duration(seconds: float) -> str:

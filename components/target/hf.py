@@ -35,6 +35,7 @@ from transformers import (
 
 from components.config import EMBEDDED_TARGET, SMOLLM2_TARGET, TINY_TARGET, TargetConfig
 from components.target.attention import choose_attention
+from components.target.corpus import corpus_cache
 from components.target.promptbank import PromptBankError, ensure_prompt_bank
 from components.target.smollm2 import ConversionError, ensure_smollm2_target
 from components.target.tiny import ensure_tiny_target
@@ -192,15 +193,11 @@ def _looks_like_path(name: str) -> bool:
 BUILT_IN = (EMBEDDED_TARGET, SMOLLM2_TARGET, TINY_TARGET)
 
 
-def corpus_cache(cfg: TargetConfig) -> Path:
-    return Path(cfg.cache_dir).expanduser().resolve() / "corpora"
-
-
 def ensure_embedded_target(cfg: TargetConfig, progress: bool = True) -> tuple[Path, dict[str, Any], dict[str, Any], bool]:
     """(dir, conversion info, prompt-bank info, anything built now) of the embedded default."""
     try:
         path, converted, converted_now = ensure_smollm2_target(cfg, progress=progress)
-        bank, bank_now = ensure_prompt_bank(path, cfg.prompts, corpus_cache(cfg), progress=progress)
+        bank, bank_now = ensure_prompt_bank(path, cfg.prompts, corpus_cache(cfg.cache_dir), progress=progress)
     except (ConversionError, PromptBankError) as err:
         raise TargetError(str(err)) from None
     return path, converted, bank, converted_now or bank_now

@@ -54,7 +54,7 @@ def ensure_tiny_target(cfg: TargetConfig, progress: bool = True) -> tuple[Path, 
     dest = tiny_target_dir(cfg)
     if (dest / INFO_FILE).is_file():
         return dest, read_info(dest), False
-    corpus_cache = Path(cfg.cache_dir).expanduser().resolve() / "corpora"
+    corpus_cache = corpus_mod.corpus_cache(cfg.cache_dir)
     tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
