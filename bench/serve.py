@@ -2,7 +2,7 @@
 concurrency levels over HTTP on loopback, speculation on and off in one run.
 
     python bench/serve.py --drafter DIR [--target embedded|DIR] [--concurrency 1,8,32]
-                          [--requests N] [--new-tokens 64] [--threads 1] [--no-adaptive]
+                          [--requests N] [--new-tokens 64] [--threads 1] [--no-adaptive] [--loop-stages S]
     python bench/serve.py --url http://127.0.0.1:8000 --model NAME [--tokenizer DIR]   # any OpenAI server
 
 Without ``--url`` it starts Ray and the specline app (``pipelines.serve.start_app``) with the
@@ -65,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the replica")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--no-adaptive", action="store_true", help="fixed draft length instead of the adaptive cap")
+    ap.add_argument("--loop-stages", type=int, default=None,
+                    help="DLoop stages per round (default: serve's, 3 for block drafters; 1 = DLoop off)")
     return ap.parse_args()
 
 
@@ -208,7 +210,8 @@ def start_server(args: argparse.Namespace, top: int) -> str:
     target = TargetConfig(name_or_path=args.target)
     path = resolve_target_path(target)
     sc = ServeConfig(port=args.port, model_name=args.model, max_ongoing_requests=top, max_queued_requests=2 * top,
-                     adaptive=not args.no_adaptive, torch_threads=args.threads, cpus_per_replica=1.0)
+                     adaptive=not args.no_adaptive, torch_threads=args.threads, cpus_per_replica=1.0,
+                     loop_stages=args.loop_stages)
     init_ray(RayConfig())
     source = DrafterSource(str(Path(args.drafter).resolve()) if args.drafter else None, "bench")
     start_app(SpeclineConfig(run_dir="runs", target=target, serve=sc), path, source, None)

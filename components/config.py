@@ -227,11 +227,12 @@ class EvalConfig:
     ``methods`` on the same held-out prompts, in the same process (components/evaluation/)."""
 
     # target_only | drafter | drafter_dloop | drafter_tree (opt-in) | prompt_lookup (our engine) | hf_generate |
-    # hf_prompt_lookup | hf_assisted (transformers' generate, the peers) | vllm_* (vLLM, opt-in,
-    # see vllm_python below). Speedups are against target_only.
+    # drafter_adaptive (as the serve stage drafts: adaptive cap, DLoop stages) | hf_prompt_lookup |
+    # hf_assisted (transformers' generate, the peers) | vllm_* (vLLM, opt-in, see vllm_python
+    # below). Speedups are against target_only.
     methods: list[str] = field(default_factory=lambda: [
-        "target_only", "drafter", "drafter_dloop", "prompt_lookup", "hf_generate", "hf_prompt_lookup",
-        "hf_assisted"])
+        "target_only", "drafter", "drafter_adaptive", "drafter_dloop", "prompt_lookup", "hf_generate",
+        "hf_prompt_lookup", "hf_assisted"])
     # "embedded": the named sets of prompt_sets, each reported on its own; otherwise a prompt file
     # or "hf:<dataset>[:split]" as in data.prompt_source, one set named after it.
     prompt_source: str = "embedded"
@@ -253,8 +254,9 @@ class EvalConfig:
     num_speculative_tokens: int | None = None  # γ of the trained drafter; None: its own default
     tree_budget: int = 16  # drafter_tree: token-tree nodes per round (components/engine/tree.py)
     tree_builder: str = "ddtree"  # drafter_tree: ddtree (per-depth marginals) | causal (DSpark's causal head)
-    loop_stages: int = 3  # drafter_dloop: at most this many drafting stages per round (DLoop)
+    loop_stages: int = 3  # drafter_dloop, drafter_adaptive: at most this many drafting stages per round (DLoop)
     loop_gate: float = -1.0  # drafter_dloop: another stage while Σ log q(stage drafts) ≥ this
+    profile_dir: str = "~/.cache/specline/round-profiles"  # drafter_adaptive: round profiles (as serve's)
     carryover: bool = False  # drafter methods: rejected target states as next-round context (carryover-trained drafters)
     drafter_int8_head: bool = False  # drafter methods: read drafts out through an int8 LM head (CPU; lossless)
     lookup_num_speculative_tokens: int = 7  # γ of prompt lookup (ours and transformers')
@@ -324,8 +326,10 @@ class ServeConfig:
     # Engine (components/engine)
     num_speculative_tokens: int | None = None  # γ; None: the drafter's own default
     sampled_rule: str = "gumbel"  # temperature > 0: gumbel (same seed, same output) | speculative | block
-    loop_stages: int = 1  # DLoop drafting stages per round (> 1: rows draft one by one)
-    loop_gate: float = -0.5  # DLoop: another stage while Σ log q(stage drafts) ≥ this
+    loop_stages: int | None = None  # DLoop stages per round (1: off); None: 3 if the drafter can, else 1
+    # null: the adaptive cap decides how many stages a round drafts (it prices each cap from the
+    # round profile and the acceptance it sees); a number: another stage while Σ log q ≥ it
+    loop_gate: float | None = None
     carryover: bool | None = None  # None: on when the drafter was trained for it
     adaptive: bool = True  # draft cap per round from a round profile measured once per host
     profile_dir: str = "~/.cache/specline/round-profiles"  # where round profiles are stored
@@ -335,7 +339,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         problems = [f"{key} must be at least {low} (got {getattr(self, key)})" for key, low in (
             ("port", 1), ("num_replicas", 1), ("min_replicas", 0), ("max_ongoing_requests", 1),
-            ("max_queued_requests", 0), ("retry_after_s", 0), ("max_body_bytes", 1), ("loop_stages", 1),
+            ("max_queued_requests", 0), ("retry_after_s", 0), ("max_body_bytes", 1),
             ("tree_budget", 0), ("torch_threads", 0)) if getattr(self, key) < low]
         if self.drafter not in ("auto", "none"):
             problems.append(f"drafter must be auto or none (got {self.drafter!r}); a path goes in drafter_path")
@@ -348,8 +352,8 @@ class ServeConfig:
         if self.autoscaling and not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             problems.append(f"replicas: need 0 <= min_replicas <= max_replicas, max_replicas >= 1 "
                             f"(got {self.min_replicas}, {self.max_replicas})")
-        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1 or (self.max_model_len or 1) < 1:
-            problems.append("num_speculative_tokens and max_model_len must be at least 1 when set")
+        if any(v is not None and v < 1 for v in (self.num_speculative_tokens, self.max_model_len, self.loop_stages)):
+            problems.append("num_speculative_tokens, max_model_len and loop_stages must be at least 1 when set")
         if problems:
             raise ConfigError("serve: " + "; ".join(problems))
 

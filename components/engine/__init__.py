@@ -22,6 +22,7 @@ from components.engine.batch import (
     EngineError,
     Request,
     StepOutput,
+    profile_path,
     profile_round_times,
     stored_round_times,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "StepOutput",
     "TargetDrafter",
     "TreeEngine",
+    "profile_path",
     "profile_round_times",
     "stored_round_times",
     "target_only_generate",

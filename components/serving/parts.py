@@ -1,11 +1,13 @@
 """What one serving replica holds: the target, the served drafter (guarded) and the batch
 engine, built from the config as the eval stage builds them (``load_target``, ``load_drafter``).
 
-Engine settings from ``serve``: γ (``num_speculative_tokens``), DLoop ``loop_stages``/``loop_gate``,
-carryover (on when the drafter declares the capability, unless set), token trees for a lone
-request (``tree_budget``), the batch size (``max_ongoing_requests``) and the draft cap: fixed γ,
-or (``adaptive``, default) ``AdaptiveDraftLength`` over the engine's round times profiled once
-per host and setting and stored under ``profile_dir`` (``stored_round_times``).
+Engine settings from ``serve``: γ (``num_speculative_tokens``), DLoop ``loop_stages``/``loop_gate``
+(on by default for drafters that draft on their own states: up to 3 stages a round, the adaptive
+cap deciding how many a round drafts), carryover (on when the drafter declares the capability,
+unless set), token trees for a lone request (``tree_budget``), the batch size
+(``max_ongoing_requests``) and the draft cap: fixed γ, or (``adaptive``, default)
+``AdaptiveDraftLength`` over the engine's round times profiled once per host and setting and
+stored under ``profile_dir`` (``stored_round_times``).
 
 A drafter trained for another target or tokenizer is refused with every mismatch named
 (``load_drafter``'s check), as a ``ConfigError``; so is an engine setting the drafter cannot
@@ -19,10 +21,8 @@ HTTP, requests or Ray.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ import torch
 from components.config import ConfigError, ServeConfig, TargetConfig
 from components.drafters import DrafterError, load_drafter
 from components.drafters.capabilities import Capability, has
-from components.engine import AdaptiveDraftLength, BatchEngine, stored_round_times
+from components.engine import AdaptiveDraftLength, BatchEngine, profile_path, stored_round_times
 from components.serving.fallback import GuardedDrafter
 from components.serving.provenance import DrafterSource
 from components.target import load_target
@@ -57,13 +57,14 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
         torch.set_num_threads(sc.torch_threads)
     target = load_target(dataclasses.replace(target_cfg, name_or_path=target_path), progress=False)
     drafter = _load(source, target)
-    carryover = _carryover(sc, drafter)
-    kwargs: dict[str, Any] = {"num_speculative_tokens": sc.num_speculative_tokens, "loop_stages": sc.loop_stages,
-                              "loop_gate": sc.loop_gate, "carryover": carryover}
+    carryover, stages = _carryover(sc, drafter), _loop_stages(sc, drafter)
+    kwargs: dict[str, Any] = {"num_speculative_tokens": sc.num_speculative_tokens, "loop_stages": stages,
+                              "loop_gate": loop_gate(sc), "carryover": carryover}
     guarded = GuardedDrafter(drafter, target.vocab_size) if drafter is not None else None
     engine = _engine(sc, target, guarded, kwargs, None)
-    settings = {"num_speculative_tokens": engine.num_speculative_tokens, "max_cap": engine.max_cap, "loop_stages": sc.loop_stages,
-                "loop_gate": sc.loop_gate, "carryover": carryover, "adaptive": False,
+    settings = {"num_speculative_tokens": engine.num_speculative_tokens, "max_cap": engine.max_cap, "loop_stages": stages,
+                "loop_gate": "adaptive cap" if sc.loop_gate is None and sc.adaptive else kwargs["loop_gate"],
+                "carryover": carryover, "adaptive": False,
                 "round_profile": None, "tree_budget": sc.tree_budget if guarded is not None else 0,
                 "tree_builder": sc.tree_builder, "sampled_rule": sc.sampled_rule,
                 "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
@@ -73,6 +74,19 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
         adapt(parts, sc)
     parts.startup_seconds = time.perf_counter() - t0
     return parts
+
+
+DEFAULT_LOOP_STAGES = 3  # serve.loop_stages unset, for a drafter that can loop
+FIXED_CAP_LOOP_GATE = -0.5  # serve.loop_gate null without the adaptive cap: the engine's own default
+
+
+def loop_gate(sc: ServeConfig) -> float:
+    """The engine's DLoop gate: ``serve.loop_gate``; when null, open (-inf) under the adaptive
+    cap, whose choice of G ≤ γ·stages then decides how many stages a round drafts, and
+    ``FIXED_CAP_LOOP_GATE`` with a fixed cap (which would otherwise draft every stage always)."""
+    if sc.loop_gate is not None:
+        return float(sc.loop_gate)
+    return float("-inf") if sc.adaptive else FIXED_CAP_LOOP_GATE
 
 
 def adapt(parts: EngineParts, sc: ServeConfig) -> None:
@@ -114,23 +128,22 @@ def _carryover(sc: ServeConfig, drafter: Any) -> bool:
     return able if sc.carryover is None else bool(sc.carryover)
 
 
+def _loop_stages(sc: ServeConfig, drafter: Any) -> int:
+    """``serve.loop_stages``, or when unset DLoop's ``DEFAULT_LOOP_STAGES`` for a drafter that
+    drafts on its own states (block drafters) and 1 for one that cannot."""
+    if sc.loop_stages is not None:
+        return int(sc.loop_stages)
+    return DEFAULT_LOOP_STAGES if drafter is not None and has(drafter, Capability.OWN_CONTEXT) else 1
+
+
 def _policy(sc: ServeConfig, target: Any, drafter: Any, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
     """(the adaptive draft-length policy or None for fixed γ, where its round profile came from)."""
     if not sc.adaptive or drafter is None:
         return None, None
     sizes = sorted({b for b in PROFILE_BATCH_SIZES if b < sc.max_ongoing_requests} | {1, sc.max_ongoing_requests})
-    path = profile_path(sc, target, drafter, kwargs)
+    path = profile_path(sc.profile_dir, target, drafter, sizes, kwargs)
     try:
         rounds, reused = stored_round_times(path, target, drafter, sizes, **kwargs)
     except ValueError as err:
         raise ConfigError(f"serve.profile_dir: {err}") from None
     return AdaptiveDraftLength(round_time=rounds), f"{'stored' if reused else 'measured'}: {path.name}"
-
-
-def profile_path(sc: ServeConfig, target: Any, drafter: Any, kwargs: dict[str, Any]) -> Path:
-    """One file per target, drafter architecture and engine setting (the profile's own key is
-    checked on reuse, so a collision only costs a re-profile)."""
-    params = sum(p.numel() for p in drafter.parameters())
-    key = repr((str(target.name_or_path), type(drafter.drafter).__name__, params, sorted(kwargs.items()),
-                sc.max_ongoing_requests, str(target.device), str(target.dtype), torch.get_num_threads()))
-    return Path(sc.profile_dir).expanduser() / f"round-profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

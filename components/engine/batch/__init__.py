@@ -18,7 +18,12 @@ draft-length policy; nothing about tokenization, HTTP or drafter families.
 """
 
 from components.engine.batch.continuous import BatchEngine
-from components.engine.batch.profile import RoundTimes, profile_round_times, stored_round_times
+from components.engine.batch.profile import (
+    RoundTimes,
+    profile_path,
+    profile_round_times,
+    stored_round_times,
+)
 from components.engine.batch.state import Batch, Request, Row, StepOutput
 from components.engine.batch.stats import EngineStats
 from components.engine.batch.stream import AsyncEngine, EngineError
@@ -33,6 +38,7 @@ __all__ = [
     "RoundTimes",
     "Row",
     "StepOutput",
+    "profile_path",
     "profile_round_times",
     "stored_round_times",
 ]

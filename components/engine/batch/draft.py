@@ -10,8 +10,8 @@ A drafter declaring ``Capability.BATCHED_PROPOSE`` (block drafters; EAGLE-3, MTP
 draft step) drafts the rows that draft in one stage together, in padded, masked drafter
 passes; each row's readout then draws from that row's own sampling parameters and generator,
 exactly as ``SpeculativeEngine.draft`` would for the row alone (so sampled output does not
-depend on the rest of the batch). Rows drafting in DLoop stages, and drafters without it,
-propose one by one. Likewise ``Capability.BATCHED_CONSUME`` turns the per-row ``consume`` calls
+depend on the rest of the batch). Rows whose cap this round needs more than one DLoop stage,
+and drafters without it, propose one by one. Likewise ``Capability.BATCHED_CONSUME`` turns the per-row ``consume`` calls
 into one ``consume_many`` (``consume_rows``). Either way the output is the same.
 
 A speculating row's plain round (cap 0) only records its token and hidden state (``pending``);
@@ -81,7 +81,7 @@ class Drafting:
             row.proposal, row.drafts = None, None
             if gamma == 0:
                 continue
-            if self.batched and self.engines[row.request.rule].loop_stages == 1:
+            if self.batched and gamma <= self.engines[row.request.rule].num_speculative_tokens:  # one stage
                 together.append((row, gamma))
                 continue
             t0 = time.perf_counter()

@@ -12,6 +12,11 @@ drafting at a loss. So, as an inference server profiles its model before it take
 ``context``-token prompt, greedy) and times ``rounds`` rounds per (B, G) after one warm-up,
 the caps interleaved, keeping the median, made non-increasing towards smaller caps.
 
+With DLoop stages the caps run to γ·stages; every cap of the first stage is timed, and past it
+only the ends of each stage (its first cap, which adds a drafting stage, and its last), the caps
+between them linear in G (one more stage's drafting, a verify pass a token wider per cap):
+three stages of γ = 7 time 12 caps instead of 22 (``profiled_caps``).
+
 Acceptance does not enter the table (the policy gets it from confidences and what it sees),
 but the rounds' holes and compactions depend on it: on random prompts a small target soon
 loops and a trained drafter follows, near real traffic there; for a target that does not loop,
@@ -22,6 +27,7 @@ Knows the batch engine's public API only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -108,12 +114,34 @@ class _PinnedCap:
         pass
 
 
+def profiled_caps(max_cap: int, gamma: int) -> list[int]:
+    """The caps ``profile_round_times`` times: 0..γ, then each later stage's first and last cap."""
+    gamma = max(1, min(int(gamma), int(max_cap)))
+    later = {c for start in range(gamma + 1, max_cap + 1, gamma) for c in (start, min(start + gamma - 1, max_cap))}
+    return sorted(set(range(gamma + 1)) | later)
+
+
+def _fill_caps(measured: dict[int, float], max_cap: int) -> list[float]:
+    """Seconds for every cap 0..max_cap, linear between the measured ones (``profiled_caps``)."""
+    known = sorted(measured)
+    out = []
+    for cap in range(max_cap + 1):
+        if cap in measured:
+            out.append(measured[cap])
+            continue
+        lo = max(c for c in known if c < cap)
+        hi = min(c for c in known if c > cap)
+        out.append(measured[lo] + (cap - lo) / (hi - lo) * (measured[hi] - measured[lo]))
+    return out
+
+
 @torch.no_grad()
 def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                         context: int = 64, rounds: int = 4, seed: int = 0, **engine_kwargs: Any) -> RoundTimes:
     """Median seconds of ``rounds`` engine rounds (after one warm-up) for every batch size in
-    ``batch_sizes`` and every cap 0..γ·stages of ``drafter``; ``engine_kwargs`` configure the
-    ``BatchEngine`` as it will serve (DLoop stages, carryover, ...)."""
+    ``batch_sizes`` and every cap 0..γ·stages of ``drafter`` (past γ: ``profiled_caps``, the rest
+    interpolated); ``engine_kwargs`` configure the ``BatchEngine`` as it will serve (DLoop
+    stages, carryover, ...)."""
     if drafter is None:
         raise ValueError("profile_round_times needs a drafter: without one every round is plain")
     gen = torch.Generator().manual_seed(seed)
@@ -121,7 +149,7 @@ def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = 
     for bsz in sorted({int(b) for b in batch_sizes}):
         pinned = _PinnedCap()
         engine = BatchEngine(target, drafter, max_batch_size=bsz, draft_length=pinned, **engine_kwargs)
-        caps = range(engine.max_cap + 1)
+        caps = profiled_caps(engine.max_cap, engine.num_speculative_tokens)
         budget = len(caps) * (rounds + 1) * (engine.max_cap + 1) + 2  # no request ends early
         for _ in range(bsz):
             prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
@@ -129,13 +157,13 @@ def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = 
         engine.step()  # admission (prefills) and a first round: not timed
         samples: list[list[float]] = [[] for _ in caps]
         for rep in range(rounds + 1):  # caps interleaved: a slow spell of the host hits them all
-            for cap in caps:
+            for i, cap in enumerate(caps):
                 pinned.value = cap
                 t0 = time.perf_counter()
                 engine.step()
                 if rep:  # the first pass warms every width up
-                    samples[cap].append(time.perf_counter() - t0)
-        row = [statistics.median(x) for x in samples]
+                    samples[i].append(time.perf_counter() - t0)
+        row = _fill_caps({cap: statistics.median(x) for cap, x in zip(caps, samples)}, engine.max_cap)
         for request_id in engine.running:
             engine.cancel(request_id)
         engine.step()
@@ -158,6 +186,14 @@ def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], engine_kw
             "engine": {k: repr(v) for k, v in sorted(engine_kwargs.items())},
             "kv_cache": "preallocated" if engine.preallocate else "dynamic", "device": str(target.device),
             "dtype": str(target.dtype), "threads": torch.get_num_threads()}
+
+
+def profile_path(profile_dir: str | Path, target: Any, drafter: Any, batch_sizes: Sequence[int],
+                 engine_kwargs: dict[str, Any]) -> Path:
+    """Where ``stored_round_times`` keeps the profile of this setting: one file per
+    ``profile_key`` under ``profile_dir`` (a serving replica and the eval stage share them)."""
+    key = json.dumps(profile_key(target, drafter, batch_sizes, engine_kwargs), sort_keys=True)
+    return Path(profile_dir).expanduser() / f"round-profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def stored_round_times(path: str | Path, target: Any, drafter: Any, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,

@@ -192,3 +192,27 @@ def test_round_profile_is_measured_once_and_reused(tiny_target_cfg, tiny_target_
     assert first.settings["round_profile"].startswith("measured")
     assert again.settings["round_profile"].startswith("stored") and len(list(tmp_path.glob("*.json"))) == 1
     assert first.settings["adaptive"] and first.settings["num_speculative_tokens"] == 2
+
+
+def test_dloop_is_on_by_default_and_the_adaptive_cap_decides_its_stages(tiny_target_cfg, tiny_target_build,
+                                                                        serving_drafter, tiny_target, tmp_path):
+    """serve.loop_stages unset: 3 stages for a block drafter, the gate left open for the adaptive
+    cap (its cap over γ·3 decides how many a round drafts); greedy output stays the target's."""
+    parts, served, sc = make_parts(tiny_target_cfg, tiny_target_build, serving_drafter, adaptive=True,
+                                   profile_dir=str(tmp_path), max_ongoing_requests=2, num_speculative_tokens=2)
+    assert parts.settings["loop_stages"] == 3 and parts.settings["loop_gate"] == "adaptive cap"
+    assert parts.engine.max_cap == 6
+    rep = Replica(parts, served, sc.max_queued_requests)
+    try:
+        assert rep.warm_up()
+        prompts = prompt_ids(tiny_target, 3)
+        outs = asyncio.run(_many(rep, [_greedy(p) for p in prompts]))
+        assert [o.token_ids for o in outs] == [greedy_reference(tiny_target, p, NEW) for p in prompts]
+    finally:
+        rep.shutdown()
+    fixed, _, _ = make_parts(tiny_target_cfg, tiny_target_build, serving_drafter, num_speculative_tokens=2)
+    assert fixed.settings["loop_stages"] == 3 and fixed.settings["loop_gate"] == -0.5  # no cap to decide
+    off, _, _ = make_parts(tiny_target_cfg, tiny_target_build, serving_drafter, loop_stages=1)
+    assert off.settings["loop_stages"] == 1 and off.engine.max_cap == off.engine.num_speculative_tokens
+    with pytest.raises(ConfigError, match="loop_stages must be at least 1"):
+        ServeConfig(loop_stages=0)

@@ -100,3 +100,21 @@ def test_without_confidences_the_policy_climbs_past_the_caps_it_has_seen():
         policy.observe([accepted] if cap else [], [cap] if cap else [], 0.0, seconds, seconds, cap + 1)
     assert caps[-20:].count(GAMMA) >= 16
     assert 0.2 < float(policy.empirical_survival(GAMMA)[-1]) < 0.8  # true: 0.9^7 = 0.48
+
+
+def test_dloop_caps_are_timed_at_each_stages_ends_and_interpolated_between():
+    from components.engine.batch.profile import _fill_caps, profiled_caps
+
+    assert profiled_caps(21, 7) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 14, 15, 21]
+    assert profiled_caps(7, 7) == list(range(8)) and profiled_caps(5, 2) == [0, 1, 2, 3, 4, 5]
+    filled = _fill_caps({0: 1.0, 1: 2.0, 2: 2.0, 3: 4.0, 6: 7.0}, 6)
+    assert filled == [1.0, 2.0, 2.0, 4.0, 5.0, 6.0, 7.0]
+
+
+def test_a_dloop_profile_covers_every_cap_of_every_stage(tiny_target):
+    drafter = random_drafter(tiny_target, "dspark")
+    engine = BatchEngine(tiny_target, drafter, num_speculative_tokens=3, loop_stages=3, loop_gate=float("-inf"))
+    table = profile_round_times(tiny_target, drafter, batch_sizes=(1,), context=8, rounds=1,
+                                num_speculative_tokens=3, loop_stages=3, loop_gate=float("-inf"))
+    assert engine.max_cap == 9 and tuple(table.seconds.shape) == (1, 10) and bool((table.seconds > 0).all())
+    assert bool((table.seconds[0, 1:] >= table.seconds[0, :-1]).all())  # a wider cap never costs less
