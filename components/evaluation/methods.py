@@ -4,8 +4,10 @@ Ours (``components.engine``, timed by the engine itself, prefill included):
 
 * ``target_only``   -- plain decoding, one target pass per token: the reference every speedup
   and every lossless check is measured against;
-* ``drafter``       -- the speculative engine with the trained drafter (``drafter_dloop``:
-  DLoop stages; ``drafter_tree``: token trees, ``TreeEngine``);
+* ``drafter``       -- the speculative engine with the trained drafter at a fixed γ
+  (``drafter_dloop``: DLoop stages behind a log-probability gate; ``drafter_tree``: token trees,
+  ``TreeEngine``; ``drafter_adaptive``: the batch engine as the serve stage runs it, the draft
+  cap (0 = a plain round) chosen per round from a round profile and the acceptance seen);
 * ``prompt_lookup`` -- the speculative engine with the n-gram ``PromptLookupDrafter``.
 
 Peers (transformers' ``generate`` on the same target object, see ``hf.py``):
@@ -27,17 +29,23 @@ Knows the engine and the generate wrappers; nothing about prompts' origin, MLflo
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 from components.config import ConfigError, EvalConfig
-from components.drafters.capabilities import Capability, CapabilityError, require
+from components.drafters.capabilities import Capability, CapabilityError, has, require
 from components.engine import (
     RULES,
+    AdaptiveDraftLength,
+    BatchEngine,
     GenerationResult,
     PromptLookupDrafter,
+    Request,
     SpeculativeEngine,
     TreeEngine,
+    profile_path,
+    stored_round_times,
     target_only_generate,
 )
 from components.engine.tree import TREE_RULES
@@ -100,6 +108,33 @@ def drafter_dloop(ctx: EvalContext) -> MethodFn:
         raise ConfigError(f"eval.loop_stages: drafter_dloop needs at least 2 (got {ctx.ev.loop_stages})")
     return _engine_method(ctx, "drafter_dloop", _trained(ctx, "drafter_dloop"), ctx.ev.num_speculative_tokens,
                           loop_stages=ctx.ev.loop_stages, loop_gate=ctx.ev.loop_gate, carryover=ctx.ev.carryover)
+
+
+def drafter_adaptive(ctx: EvalContext) -> MethodFn:
+    """The trained drafter as the serve stage runs it (batch 1): the batch engine with the
+    adaptive draft cap, priced from a round profile stored per host (``eval.profile_dir``), over
+    up to γ·``eval.loop_stages`` drafts when the drafter drafts on its own states (DLoop stages,
+    the cap deciding how many a round drafts); a cap of 0 is a plain round. The policy learns
+    over the prompts in turn, as a server's does over its requests."""
+    ev, trained = ctx.ev, _trained(ctx, "drafter_adaptive")
+    stages = ev.loop_stages if has(trained, Capability.OWN_CONTEXT) else 1
+    kwargs = {"num_speculative_tokens": ev.num_speculative_tokens, "loop_stages": stages,
+              "loop_gate": float("-inf"), "carryover": ev.carryover}
+    path = profile_path(ev.profile_dir, ctx.target, trained, (1,), kwargs)
+    if not path.is_file():
+        print(f"eval: drafter_adaptive: timing the engine's rounds at every draft cap (once per host) → {path}",
+              file=sys.stderr, flush=True)
+    rounds, reused = stored_round_times(path, ctx.target, trained, (1,), **kwargs)
+    engine = BatchEngine(ctx.target, trained, max_batch_size=1, draft_length=AdaptiveDraftLength(round_time=rounds),
+                         **kwargs)
+    ctx.notes["drafter_adaptive"] = {"num_speculative_tokens": engine.num_speculative_tokens, "max_cap": engine.max_cap,
+                                     "loop_stages": stages, "rule": ev.rule,
+                                     "round_profile": "stored" if reused else "measured"}
+
+    def run(ids: list[int], n: int, seed: int) -> PromptRun:
+        request = Request(ids, n, ctx.sampling, seed, rule=ev.rule)
+        return _from_engine("drafter_adaptive", engine.generate([request])[0], drafting=True)
+    return run
 
 
 def drafter_tree(ctx: EvalContext) -> MethodFn:
@@ -172,6 +207,7 @@ METHODS: dict[str, Method] = {
     "target_only": Method(build=target_only),
     "drafter": Method(build=drafter, needs_drafter=True),
     "drafter_dloop": Method(build=drafter_dloop, needs_drafter=True),
+    "drafter_adaptive": Method(build=drafter_adaptive, needs_drafter=True),
     "drafter_tree": Method(build=drafter_tree, needs_drafter=True),
     "prompt_lookup": Method(build=prompt_lookup),
     "hf_generate": Method(build=hf_plain, peer="hf"),

@@ -131,12 +131,15 @@ def check_lossless(target: Any, prompts: list[Prompt], runs: dict[str, list[Prom
                       "first: %s", name, REFERENCE, len(mismatches), len(prompts), ties, NEAR_TIE, mismatches[0])
 
 
-def time_in_process(ctx: EvalContext, methods: dict[str, MethodFn], prompts: list[Prompt]) -> dict[str, list[PromptRun]]:
-    """Warmup and interleaved timing of our and transformers' methods at ``eval.threads``."""
+def time_in_process(ctx: EvalContext, names: list[str], prompts: list[Prompt]) -> dict[str, list[PromptRun]]:
+    """Our and transformers' methods among ``names`` built, warmed up and timed (interleaved) at
+    ``eval.threads``: built at them too, as what a method measures when built (a round profile)
+    must be measured as it will run."""
     threads = torch.get_num_threads()
     if ctx.ev.threads > 0:
         torch.set_num_threads(ctx.ev.threads)
     try:
+        methods = build_methods(ctx, names)
         if ctx.ev.warmup:
             warm_up(methods, prompts[0], ctx.ev.max_new_tokens)
         return time_methods(methods, prompts, ctx.ev.max_new_tokens)
@@ -162,7 +165,7 @@ def time_all(ctx: EvalContext, names: list[str],
     plan: VllmPlan | None = plan_vllm(ctx, peers) if peers else None
     unavailable: dict[str, str] = {}
     try:
-        runs = time_in_process(ctx, build_methods(ctx, names), prompts)
+        runs = time_in_process(ctx, names, prompts)
         if plan is not None:
             vruns, unavailable = run_vllm(ctx, plan, prompts)
             runs = {m: vruns[m] if m in vruns else runs[m] for m in names if m in runs or m in vruns}

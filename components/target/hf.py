@@ -18,8 +18,9 @@ stay in float32 (bfloat16 greedy output differs from float32's).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import logging as hf_logging
 
 from components.config import EMBEDDED_TARGET, SMOLLM2_TARGET, TINY_TARGET, TargetConfig
 from components.target.attention import choose_attention
@@ -236,6 +238,18 @@ def check_tokenizer_matches(model: PreTrainedModel, tokenizer: PreTrainedTokeniz
         )
 
 
+@contextlib.contextmanager
+def _no_weight_bars() -> Iterator[None]:
+    """transformers' progress bars off for the block (its "Loading weights" bar), then as before."""
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_target(cfg: TargetConfig, progress: bool = True) -> Target:
     """Loads the configured target (frozen, eval mode) on its configured device and dtype."""
     path = resolve_target_path(cfg, progress)
@@ -244,7 +258,8 @@ def load_target(cfg: TargetConfig, progress: bool = True) -> Target:
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        with _no_weight_bars():  # a bar over a checkpoint that loads in a second is noise
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except (OSError, ValueError) as err:
         raise TargetError(f"target.name_or_path: cannot load '{path}': {str(err).splitlines()[0]}") from None
     check_tokenizer_matches(model, tokenizer, path)

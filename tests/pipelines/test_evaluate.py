@@ -31,7 +31,8 @@ def saved_drafter(tmp_path_factory, tiny_target) -> Path:
 
 def _cfg(spec_cfg: SpeclineConfig, tiny_target_build, **ev) -> SpeclineConfig:
     # The fixture target, loaded again, serves as hf_assisted's assistant (same tokenizer).
-    ev = {"assistant": str(tiny_target_build[0]), "output_dir": str(Path(spec_cfg.run_dir) / "eval"), **ev}
+    ev = {"assistant": str(tiny_target_build[0]), "output_dir": str(Path(spec_cfg.run_dir) / "eval"),
+          "profile_dir": str(Path(spec_cfg.run_dir) / "round-profiles"), **ev}
     return dataclasses.replace(spec_cfg, eval=dataclasses.replace(EVAL, **ev))
 
 

@@ -71,3 +71,18 @@ def test_causal_trees_are_refused_when_the_tree_head_is_not_declared(tiny_target
     ctx.ev = EvalConfig(max_new_tokens=NEW, warmup=False, methods=["drafter_tree"], tree_builder="ddtree",
                         tree_budget=4)
     METHODS["drafter_tree"].build(ctx)  # the per-depth trees need no tree head
+
+
+def test_drafter_adaptive_is_lossless_with_its_profile_stored_for_the_next_run(tiny_target, eval_prompt_list,
+                                                                                tmp_path):
+    """The serve stage's way of drafting (adaptive cap over γ·loop_stages, DLoop stages for a
+    block drafter), at batch 1: the target's own greedy output; the round profile is measured
+    once under eval.profile_dir and read back the next time."""
+    settings = {"methods": ["target_only", "drafter_adaptive"], "profile_dir": str(tmp_path), "loop_stages": 2}
+    for want in ("measured", "stored"):
+        ctx = _ctx(tiny_target, _dspark(tiny_target), **settings)
+        report = compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list)
+        summary = report.summaries["drafter_adaptive"]
+        assert report.failures == [] and summary.lossless is True
+        assert summary.extra["round_profile"] == want and summary.extra["max_cap"] == 8  # γ 4 × 2 stages
+    assert len(list(tmp_path.glob("round-profile-*.json"))) == 1

@@ -15,11 +15,13 @@ from components.evaluation.assistant import load_assistant
 from components.evaluation.metrics import PromptRun
 
 NEW = 12
-ALL = ["target_only", "drafter", "drafter_dloop", "prompt_lookup", "hf_generate", "hf_prompt_lookup", "hf_assisted"]
+ALL = ["target_only", "drafter", "drafter_adaptive", "drafter_dloop", "prompt_lookup", "hf_generate", "hf_prompt_lookup", "hf_assisted"]
 
 
 def _ctx(tiny_target, tiny_target_build, drafter_path, **ev) -> EvalContext:
-    cfg = EvalConfig(max_new_tokens=NEW, lookup_num_speculative_tokens=4, warmup=False, **ev)
+    profiles = str(tiny_target_build[0].parent / "round-profiles")  # the session's, not the home cache
+    cfg = EvalConfig(max_new_tokens=NEW, lookup_num_speculative_tokens=4, warmup=False,
+                     **{"profile_dir": profiles, **ev})
     # The assistant only has to share the tokenizer: the fixture target itself, loaded again.
     return EvalContext(tiny_target, cfg, drafter=load_drafter(drafter_path, tiny_target).eval(),
                        assistant=load_assistant(str(tiny_target_build[0]), tiny_target))
