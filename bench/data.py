@@ -27,7 +27,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.config import load_cli
+from components.confload import load_cli
 from components.data.prompts import collect_prompts
 from components.data.rollout import Roller, left_pad
 from components.data.source import describe_target, record_meta

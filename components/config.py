@@ -2,28 +2,24 @@
 
 One dataclass schema per stage (target, data, drafter, train, eval, serve, tracking, ray),
 gathered in :class:`SpeclineConfig`. A config is loaded from ``conf/<name>.yaml`` plus
-``key=value`` overrides from the command line::
+``key=value`` overrides from the command line (:mod:`components.confload`)::
 
     python -m pipelines.target conf=dspark.yaml target.tiny.train_steps=200
 
 Unknown keys and wrong types fail with a :class:`ConfigError` that names the key and the file
-it came from. This module knows nothing about models, Ray or MLflow: it only parses and checks.
+it came from. This module knows nothing about models, Ray or MLflow: it only declares and checks.
 Stage issues add fields to their own section; every field has a default so a YAML file only
 says what differs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # omegaconf and yaml are imported where configs are loaded, so the dataclasses
-    # (what components import) need neither: e.g. a bare torch+transformers GPU box runs the benches
-    from omegaconf import DictConfig
-    from omegaconf.errors import OmegaConfBaseException
+# omegaconf and yaml are imported where configs are loaded (components/confload.py), so the
+# dataclasses (what components import) need neither: e.g. a bare torch+transformers GPU box runs the benches
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = PROJECT_ROOT / "conf"
@@ -393,126 +389,6 @@ class SpeclineConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
-
-
-# ----------------------------------------------------------------------------- loading
-def available_confs(conf_dir: Path = CONF_DIR) -> list[str]:
-    """Names of the YAML files in the conf directory."""
-    return sorted(p.name for p in conf_dir.glob("*.yaml"))
-
-
-def resolve_conf_path(conf: str | Path) -> Path:
-    """A conf name (``dspark.yaml``, ``dspark``) or path → an existing file, or ConfigError."""
-    raw = Path(conf).expanduser()
-    candidates = [raw, CONF_DIR / raw]
-    if raw.suffix not in (".yaml", ".yml"):
-        candidates += [raw.with_suffix(".yaml"), CONF_DIR / raw.with_suffix(".yaml").name]
-    for path in candidates:
-        if path.is_file():
-            return path.resolve()
-    raise ConfigError(
-        f"conf file '{conf}' not found (looked in . and {CONF_DIR}); "
-        f"available: {', '.join(available_confs()) or 'none'}"
-    )
-
-
-def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
-    from omegaconf.errors import ConfigKeyError, ValidationError
-
-    key = getattr(err, "full_key", None) or "?"
-    if isinstance(err, ConfigKeyError):
-        return ConfigError(f"{origin}: unknown key '{key}' (check the spelling; see components/config.py)")
-    if isinstance(err, ValidationError):
-        value = getattr(err, "value", None)
-        return ConfigError(f"{origin}: key '{key}' has a wrong type or value ({value!r}): {str(err.msg).splitlines()[0]}")
-    return ConfigError(f"{origin}: {err}")
-
-
-def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return OmegaConf.merge(base, layer)  # type: ignore[return-value]
-    except OmegaConfBaseException as err:
-        raise _explain(err, origin) from None
-
-
-def parse_overrides(overrides: Sequence[str]) -> DictConfig:
-    """``["train.lr=3e-4", ...]`` → a DictConfig; a malformed item names itself."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"command line: '{item}' is not a key=value override")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"command line: cannot parse overrides {list(overrides)}: {err}") from None
-
-
-def load(conf: str | Path | None = None, overrides: Sequence[str] = ()) -> SpeclineConfig:
-    """Schema defaults ← conf YAML ← overrides, checked against the schema."""
-    import yaml
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    merged: DictConfig = OmegaConf.structured(SpeclineConfig)
-    if conf is not None:
-        path = resolve_conf_path(conf)
-        try:
-            file_cfg = OmegaConf.load(path)
-        except (OSError, yaml.YAMLError) as err:  # yaml errors carry line numbers in their text
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
-        merged = _merge(merged, file_cfg, str(path))
-    merged = _merge(merged, parse_overrides(overrides), "command line")
-    try:
-        OmegaConf.resolve(merged)
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        raise _explain(err, str(conf or "defaults")) from None
-    assert isinstance(cfg, SpeclineConfig)
-    return cfg
-
-
-def parse_cli(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """Split ``conf=x.yaml a.b=c`` into the conf name and the remaining overrides."""
-    conf, rest = None, []
-    for arg in argv:
-        if arg.startswith("conf="):
-            conf = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-    return conf, rest
-
-
-def load_cli(argv: Sequence[str]) -> SpeclineConfig:
-    conf, overrides = parse_cli(argv)
-    return load(conf, overrides)
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """A plain nested dict of a config dataclass (for logging)."""
-    return dataclasses.asdict(cfg)
-
-
-def to_yaml(cfg: Any) -> str:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} → {"a.b": 1}; lists stay values."""
-    out: dict[str, Any] = {}
-    for key, value in d.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
 
 
 def run_dir(cfg: SpeclineConfig) -> Path:

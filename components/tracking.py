@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from components.config import SpeclineConfig, flatten, run_dir, to_dict, to_yaml
+from components.config import SpeclineConfig, run_dir
+from components.confload import flatten, to_dict, to_yaml
 
 MAX_PARAM_LEN = 500  # MLflow rejects longer parameter values
 

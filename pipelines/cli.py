@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from components import logs
-from components.config import ConfigError, SpeclineConfig, load_cli
+from components.config import ConfigError, SpeclineConfig
+from components.confload import load_cli
 from components.drafters.errors import DrafterError
 from components.target.corpus import CorpusError
 from components.target.hf import TargetError

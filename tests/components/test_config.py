@@ -2,16 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from components.config import (
-    ConfigError,
-    SpeclineConfig,
-    available_confs,
-    flatten,
-    load,
-    load_cli,
-    parse_cli,
-    to_dict,
-)
+from components.config import ConfigError, SpeclineConfig
+from components.confload import available_confs, flatten, load, load_cli, parse_cli, to_dict
 
 
 def test_defaults_and_default_conf_load():

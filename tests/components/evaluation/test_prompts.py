@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from components.config import ConfigError, DataConfig, EvalConfig, load
+from components.config import ConfigError, DataConfig, EvalConfig
+from components.confload import load
 from components.data.prompts import collect_prompts
 from components.evaluation import eval_prompts
 from components.evaluation.prompts import (
