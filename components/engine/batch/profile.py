@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.state import Request
@@ -178,7 +178,8 @@ def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], engine_kw
     """What a stored profile was measured for: target, drafter (class and size), batch sizes,
     engine settings (as given, and the KV cache kind), device, dtype and threads. A profile is
     only reused for an equal key."""
-    params = sum(p.numel() for p in drafter.parameters()) if isinstance(drafter, nn.Module) else 0  # model-free: 0
+    # parameters(): an nn.Module's, or a wrapper's that hands it through (serving's guard); model-free: 0
+    params = sum(p.numel() for p in drafter.parameters()) if callable(getattr(drafter, "parameters", None)) else 0
     engine = BatchEngine(target, drafter, **{k: v for k, v in engine_kwargs.items() if k not in _PROFILER_ARGS})
     return {"target": str(getattr(target, "name_or_path", type(target).__name__)),
             "drafter": f"{type(drafter).__name__}:{params}:{engine.max_cap}",
