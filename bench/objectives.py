@@ -1,6 +1,7 @@
 """Drafters, losses, storage and training objectives side by side: same rollouts, same step budget.
 
     python bench/objectives.py --data runs/data [--steps 60 --extra 20 --batch 8 --threads 1]
+                               [--num-layers 1 --draft-vocab 8192]
 
 Everything trains in this one process (the training components without Ray: the same
 objectives and ``train_step`` the Ray Train workers run), from the same seed, on the same
@@ -15,10 +16,21 @@ split). Variants:
   offline (the control), opd, carryover or dloop — equal total steps for all four (``--chain``
   picks some of them).
 
+Every variant is sized alike: ``--num-layers`` sets drafter.num_layers (unset: each drafter's own
+default) and ``--draft-vocab DV`` drafter.draft_vocab_size (0: the full vocabulary). With DV > 0 each
+fresh drafter reads out over the DV most frequent response tokens (the loss-masked ones) of the
+training split (+ special/stop tokens), the same vocabulary for every variant; the chained drafters
+keep it (it is in the state dict). A drafter whose default taps were not all captured (EAGLE-3's
+[1, L//2 − 1, L − 4] against DSpark's spread) reads the nearest captured layers instead.
+
 Reported per variant: held-out τ from distributions (1 − TV, random anchors), simulated greedy
 τ (rounds where they start, greedy drafts against the recorded tokens) and, for the chain
 variants, the engine's measured τ on held-out prompts (greedy, γ = block; offline and dloop
-also with 3 loop stages, gate ``--gate``; carryover also with carryover context on). Prints a table and writes ``--out`` (JSON). Nothing is asserted.
+also with 3 loop stages, gate ``--gate``; carryover also with carryover context on), and how its
+drafter is sized (taps, draft layers, readout vocabulary, parameters). Prints a table and writes
+``--out`` (JSON). Nothing about τ is asserted (only that chained drafters keep their vocabulary).
+Carryover is by far the slowest variant: each step verifies every rejected first draft (up to
+drafter.num_anchors per record) with a target forward over the branch's whole prefix.
 """
 
 from __future__ import annotations
@@ -41,7 +53,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from components.config import DrafterConfig, TargetConfig, TrainConfig
 from components.data.records import Record, encode
 from components.data.shards import load_manifest, read_records
-from components.drafters import build_drafter
+from components.drafters import build_drafter, with_draft_vocab
+from components.drafters.registry import resolve_layer_ids
 from components.engine import SpeculativeEngine
 from components.losses import build_loss
 from components.target import load_target
@@ -70,8 +83,33 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default="", help="comma list of groups: drafter,loss,storage,chain")
     ap.add_argument("--chain", default=",".join(EXTRA_LOSS), help="comma list of chained objectives to compare")
+    ap.add_argument("--num-layers", type=int, default=None, help="drafter.num_layers of every variant "
+                    "(default: each drafter's own)")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="drafter.draft_vocab_size of every variant, "
+                    "chosen from the training split's response tokens (0: the full vocabulary)")
     ap.add_argument("--out", default="bench-objectives.json")
     return ap.parse_args()
+
+
+def sized(cfg: DrafterConfig, args: argparse.Namespace) -> DrafterConfig:
+    """``cfg`` with the bench's ``--num-layers`` (when given) and ``--draft-vocab`` (0: full vocabulary)."""
+    return dataclasses.replace(cfg, num_layers=args.num_layers or cfg.num_layers,
+                               draft_vocab_size=args.draft_vocab or None)
+
+
+def on_stored(cfg: DrafterConfig, target: Any, stored: list[int]) -> DrafterConfig:
+    """``cfg`` reading only captured layers: its default taps, each moved to the nearest of ``stored``."""
+    wanted = resolve_layer_ids(cfg, target.num_layers)
+    if set(wanted) <= set(stored):
+        return cfg
+    near = sorted({min(stored, key=lambda s: (abs(s - i), s)) for i in wanted})
+    print(f"{cfg.name}: layers {wanted} not all captured ({stored}); reading {near}", flush=True)
+    return dataclasses.replace(cfg, layer_ids=near)
+
+
+def response_counts(records: list[Record]) -> torch.Tensor:  # -> [max id + 1] int64
+    """How often each token id is a response token (``input_ids[prompt_len:]``, the loss-masked ones)."""
+    return torch.from_numpy(np.bincount(np.concatenate([r.input_ids[r.prompt_len:] for r in records]).astype(np.int64)))
 
 
 def with_layers(records: list[Record], stored: list[int], wanted: list[int]) -> list[Record]:
@@ -122,42 +160,49 @@ def engine_tau(target: Any, drafter: Any, records: list[Record], args: argparse.
     return (acc + rounds) / max(1, rounds)
 
 
-def fresh(cfg: DrafterConfig, target: Any) -> Any:
+def fresh(cfg: DrafterConfig, target: Any, counts: torch.Tensor | None = None) -> Any:
+    """A drafter initialised from seed 0; with a draft vocabulary, chosen from ``counts`` when given."""
     torch.manual_seed(0)
-    return build_drafter(cfg, target)
+    drafter = build_drafter(cfg, target)
+    return with_draft_vocab(drafter, target, counts) if drafter.vocab is not None and counts is not None else drafter
 
 
 def run_groups(args: argparse.Namespace, target: Any, train_set: list[Record], held: list[Record],
                stored: list[int]) -> dict[str, dict[str, Any]]:
     groups = set(args.only.split(",")) if args.only else {"drafter", "loss", "storage", "chain"}
     results: dict[str, dict[str, Any]] = {}
+    counts = response_counts(train_set) if args.draft_vocab else None  # the training split only
+    dspark = on_stored(sized(DSPARK, args), target, stored)
 
     def offline(name: str, cfg: DrafterConfig, loss: str, records: list[Record], ev_records: list[Record]) -> Any:
-        drafter = fresh(cfg, target)
+        drafter = fresh(cfg, target, counts)
         stats = train(drafter, "offline", loss, records, args.steps, args, target, args.lr, 10)
-        results[name] = {**stats, **heldout_eval(drafter, ev_records)}
+        results[name] = {**stats, **heldout_eval(drafter, ev_records), **describe(drafter)}
         print(name, json.dumps(results[name]), flush=True)
         return drafter
 
-    base = offline("dspark", DSPARK, "tv_ce_confidence", train_set, held)
+    base = offline("dspark", dspark, "tv_ce_confidence", train_set, held)
     if "drafter" in groups:
         for name in ("dflash", "eagle3"):
             cfg, loss = DRAFTERS[name]
-            wanted = fresh(cfg, target).layer_ids
+            cfg = on_stored(sized(cfg, args), target, stored)
+            wanted = resolve_layer_ids(cfg, target.num_layers)
             offline(name, cfg, loss, with_layers(train_set, stored, wanted), with_layers(held, stored, wanted))
     if "loss" in groups:
         for loss in ("lk_hybrid", "bv"):
-            offline(f"dspark+{loss}", DSPARK, loss, train_set, held)
+            offline(f"dspark+{loss}", dspark, loss, train_set, held)
     if "storage" in groups:
-        offline("dspark int8", DSPARK, "tv_ce_confidence", as_int8(train_set), held)
+        offline("dspark int8", dspark, "tv_ce_confidence", as_int8(train_set), held)
     if "chain" in groups:
         for objective in args.chain.split(","):
             loss = EXTRA_LOSS[objective]
             drafter = copy.deepcopy(base)
             if objective == "carryover":  # the objective adds E_carry (zero) to the offline drafter
                 drafter = _with_carry(base, target)
+            same_vocab(drafter, base)
             stats = train(drafter, objective, loss, train_set, args.extra, args, target, args.extra_lr, 2)
-            row = {**stats, **heldout_eval(drafter, held), "engine_tau": engine_tau(target, drafter, held, args, 1)}
+            row = {**stats, **heldout_eval(drafter, held), **describe(drafter),
+                   "engine_tau": engine_tau(target, drafter, held, args, 1)}
             if objective in ("offline", "dloop"):
                 row["engine_tau_loop3"] = engine_tau(target, drafter, held, args, 3)
             if objective == "carryover":
@@ -173,6 +218,23 @@ def _with_carry(base: Any, target: Any) -> Any:
     missing = drafter.load_state_dict(base.state_dict(), strict=False).missing_keys
     assert set(missing) <= {"carry_embed"}, missing
     return drafter
+
+
+def describe(drafter: Any) -> dict[str, Any]:
+    """How a variant's drafter is sized: taps, draft layers, readout vocabulary, parameters."""
+    return {"layer_ids": drafter.layer_ids, "num_layers": int(drafter.cfg.num_layers),
+            "readout_vocab": drafter.readout_size,
+            "parameters": drafter.num_parameters()}
+
+
+def same_vocab(drafter: Any, base: Any) -> None:
+    """Raises unless a copied/rebuilt chain drafter reads out over ``base``'s chosen vocabulary."""
+    if base.vocab is None:
+        assert drafter.vocab is None
+        return
+    assert drafter.vocab is not None and drafter.vocab.chosen, "the draft vocabulary was lost"
+    assert torch.equal(drafter.vocab.d2t, base.vocab.d2t) and torch.equal(drafter.vocab.t2d, base.vocab.t2d)
+    assert torch.equal(drafter.vocab.head.weight, base.vocab.head.weight)
 
 
 def main() -> None:
