@@ -8,8 +8,11 @@ is set to ``eval.threads`` while timing and restored afterwards.
 Lossless: where the output must be a function of (target, seed) (``methods.exact_methods``),
 each method's tokens are compared with target_only's per prompt. A mismatch is kept (prompt,
 first index, both tokens) and explained: the target's logit margin between the two tokens at that
-position, computed afresh; below ``NEAR_TIE`` it is a numerical tie (batched verification and
-one-token decoding round differently), otherwise a real bug (``got = -1``: the output ended
+position, computed afresh; below the near-tie threshold it is a numerical tie (batched
+verification and one-token decoding round differently): ``NEAR_TIE``, or ``TIE_ULPS`` units of
+the target dtype's rounding at the logits' size where that is larger (bfloat16 logits of ~20 are
+multiples of 0.125, so two of them can swap order between a multi-token pass and a one-token
+step), otherwise a real bug (``got = -1``: the output ended
 early, e.g. at a stop token). Mismatches are logged as errors.
 
 vLLM peers (``vllm_peers``): prepared before any timing (a missing vLLM environment or drafter
@@ -56,7 +59,8 @@ from components.evaluation.prompts import sets_of
 from components.evaluation.vllm_peers import VllmPlan, compare_drafter, plan_vllm, run_vllm
 
 log = logging.getLogger(__name__)
-NEAR_TIE = 1e-3  # |logit(expected) - logit(got)| below this is a numerical tie
+NEAR_TIE = 1e-3  # |logit(expected) - logit(got)| below this is a numerical tie (float32)
+TIE_ULPS = 4  # ... or below this many rounding units of the target's dtype at the logits' magnitude
 WARMUP_TOKENS = 8
 
 
@@ -102,14 +106,17 @@ def time_methods(methods: dict[str, MethodFn], prompts: list[Prompt], max_new_to
 
 
 @torch.no_grad()
-def logit_margin(target: Any, prompt: Prompt, reference: list[int], m: Mismatch) -> float | None:
-    """The target's logit of the expected token minus the method's at the mismatch position
-    (None when the method's output ended there: nothing to compare)."""
+def logit_margin(target: Any, prompt: Prompt, reference: list[int], m: Mismatch) -> tuple[float | None, float]:
+    """(the target's logit of the expected token minus the method's at the mismatch position,
+    the near-tie threshold there); the margin is None when the method's output ended there."""
     if m.got < 0:
-        return None
+        return None, NEAR_TIE
     ids = torch.tensor([list(prompt.input_ids) + reference[: m.index]], dtype=torch.long, device=target.device)
-    logits = target.forward(ids).logits[0, -1].float()  # [V]
-    return float(logits[m.expected] - logits[m.got])
+    raw = target.forward(ids).logits[0, -1]  # [V] in the target's dtype
+    logits = raw.float()
+    size = float(logits[[m.expected, m.got]].abs().max())
+    eps = torch.finfo(raw.dtype).eps if raw.dtype.is_floating_point else 0.0
+    return float(logits[m.expected] - logits[m.got]), max(NEAR_TIE, TIE_ULPS * eps * size)
 
 
 def check_lossless(target: Any, prompts: list[Prompt], runs: dict[str, list[PromptRun]],
@@ -121,14 +128,15 @@ def check_lossless(target: Any, prompts: list[Prompt], runs: dict[str, list[Prom
     for name in exact:
         mismatches = compare_tokens(reference, runs[name])
         for m in mismatches:
-            m.margin = logit_margin(target, by_id[m.prompt_id], refs[m.prompt_id], m)
-            m.near_tie = m.margin is not None and abs(m.margin) < NEAR_TIE
+            m.margin, threshold = logit_margin(target, by_id[m.prompt_id], refs[m.prompt_id], m)
+            m.near_tie = m.margin is not None and abs(m.margin) < threshold
         summaries[name].lossless = not mismatches
         summaries[name].mismatches = mismatches
         if mismatches:
             ties = sum(bool(m.near_tie) for m in mismatches)
-            log.error("NOT LOSSLESS: %s differs from %s on %d of %d prompts (%d at near-ties, |margin| < %g); "
-                      "first: %s", name, REFERENCE, len(mismatches), len(prompts), ties, NEAR_TIE, mismatches[0])
+            log.error("NOT LOSSLESS: %s differs from %s on %d of %d prompts (%d at near-ties: |margin| < %g or "
+                      "%d rounding units of the target dtype); first: %s", name, REFERENCE, len(mismatches),
+                      len(prompts), ties, NEAR_TIE, TIE_ULPS, mismatches[0])
 
 
 def time_in_process(ctx: EvalContext, names: list[str], prompts: list[Prompt]) -> dict[str, list[PromptRun]]:

@@ -116,3 +116,27 @@ def test_drafter_tree_method_is_lossless(tiny_target, tiny_target_build, drafter
     bad = _ctx(tiny_target, tiny_target_build, drafter_path, methods=["drafter_tree"], rule="block")
     with pytest.raises(ConfigError, match="eval.rule"):
         METHODS["drafter_tree"].build(bad)
+
+
+def test_a_near_tie_is_judged_in_the_targets_own_rounding():
+    """bfloat16 logits of ~20 are multiples of 0.125: two tokens a unit or two apart are a
+    numerical tie there (a multi-token pass and a one-token step may order them either way),
+    while in float32 the same gap is a real difference."""
+    from types import SimpleNamespace
+
+    from components.evaluation.metrics import Mismatch
+    from components.evaluation.prompts import Prompt
+    from components.evaluation.runner import NEAR_TIE, logit_margin
+
+    def target(dtype):
+        logits = torch.zeros(1, 1, 8, dtype=dtype)
+        logits[0, 0, 1], logits[0, 0, 2], logits[0, 0, 3] = 20.0, 19.75, 10.0
+        return SimpleNamespace(device="cpu", forward=lambda ids: SimpleNamespace(logits=logits))
+
+    prompt = Prompt("p", (1, 2), 0)
+    for dtype, tie in ((torch.bfloat16, True), (torch.float32, False)):
+        margin, threshold = logit_margin(target(dtype), prompt, [], Mismatch("p", 0, expected=1, got=2))
+        assert margin == pytest.approx(0.25) and (abs(margin) < threshold) is tie
+        far, threshold = logit_margin(target(dtype), prompt, [], Mismatch("p", 0, expected=1, got=3))
+        assert far == pytest.approx(10.0) and far > threshold
+    assert logit_margin(target(torch.float32), prompt, [], Mismatch("p", 0, 1, -1)) == (None, NEAR_TIE)
