@@ -7,8 +7,11 @@ step the weights are read once whatever k is, so the k-token verify pass should 
 one token costs; on a CPU the BLAS kernel for few rows decides. This bench times
 ``torch.nn.functional.linear`` of k random rows against each distinct weight shape of the
 target's decoder layers and its LM head (the real weights, float32), k interleaved, median of
-``--reps``, and prints each time over the one-row time. Nothing is asserted; the figures explain
-the target's T(k)/T(1) curve (``bench/target_card.py``) and which draft lengths are cheap to verify.
+``--reps``, and prints each time over the one-row time. The same weight is multiplied again and
+again, so it sits in the CPU's caches: the one-row times are those of a product that reads
+nothing from memory (a forward streams every weight from DRAM), and the ratios show what the
+kernel's arithmetic costs per extra row. Nothing is asserted; the figures help read the target's
+T(k)/T(1) curve (``bench/target_card.py``) and which draft lengths are cheap to verify.
 """
 
 from __future__ import annotations
