@@ -141,7 +141,8 @@ def _policy(sc: ServeConfig, target: Any, drafter: Any, kwargs: dict[str, Any]) 
     if not sc.adaptive or drafter is None:
         return None, None
     sizes = sorted({b for b in PROFILE_BATCH_SIZES if b < sc.max_ongoing_requests} | {1, sc.max_ongoing_requests})
-    path = profile_path(sc.profile_dir, target, drafter, sizes, kwargs)
+    # the file is named by the guarded module (the guard itself counts no parameters in the key)
+    path = profile_path(sc.profile_dir, target, drafter.drafter, sizes, kwargs)
     try:
         rounds, reused = stored_round_times(path, target, drafter, sizes, **kwargs)
     except ValueError as err:

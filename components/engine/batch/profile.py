@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.state import Request
@@ -178,8 +178,7 @@ def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], engine_kw
     """What a stored profile was measured for: target, drafter (class and size), batch sizes,
     engine settings (as given, and the KV cache kind), device, dtype and threads. A profile is
     only reused for an equal key."""
-    # parameters(): an nn.Module's, or a wrapper's that hands it through (serving's guard); model-free: 0
-    params = sum(p.numel() for p in drafter.parameters()) if callable(getattr(drafter, "parameters", None)) else 0
+    params = sum(p.numel() for p in drafter.parameters()) if isinstance(drafter, nn.Module) else 0  # model-free: 0
     engine = BatchEngine(target, drafter, **{k: v for k, v in engine_kwargs.items() if k not in _PROFILER_ARGS})
     return {"target": str(getattr(target, "name_or_path", type(target).__name__)),
             "drafter": f"{type(drafter).__name__}:{params}:{engine.max_cap}",
@@ -192,7 +191,9 @@ def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], engine_kw
 def profile_path(profile_dir: str | Path, target: Any, drafter: Any, batch_sizes: Sequence[int],
                  engine_kwargs: dict[str, Any]) -> Path:
     """Where ``stored_round_times`` keeps the profile of this setting: one file per
-    ``profile_key`` under ``profile_dir`` (a serving replica and the eval stage share them)."""
+    ``profile_key`` under ``profile_dir`` (a serving replica and the eval stage share them). A
+    drafter that is not a module (a wrapper) counts no parameters in the key: name the file by
+    the module it wraps."""
     key = json.dumps(profile_key(target, drafter, batch_sizes, engine_kwargs), sort_keys=True)
     return Path(profile_dir).expanduser() / f"round-profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 

