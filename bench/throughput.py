@@ -106,7 +106,8 @@ def profile_policies(target: Any, drafters: dict[str, Any], args: argparse.Names
     for name, drafter in drafters.items():
         t0 = time.perf_counter()
         if args.profile_dir:
-            rounds, reused = stored_round_times(Path(args.profile_dir) / f"{name}.json", target, drafter, sizes)
+            stored = stored_round_times(args.profile_dir, target, drafter, sizes)
+            rounds, reused = stored.times, stored.reused
         else:
             rounds, reused = profile_round_times(target, drafter, sizes), False
         how = f"stored in {args.profile_dir}" if reused else f"{time.perf_counter() - t0:.0f} s"

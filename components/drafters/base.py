@@ -343,6 +343,11 @@ class Drafter(nn.Module, ABC):
         """Trainable parameters, excluding the target's shared frozen parts."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
+    def identity(self) -> str:
+        """What measurements of this drafter (round profiles) are keyed by: its class and size,
+        the target's shared parts included."""
+        return f"{type(self).__name__}:{sum(p.numel() for p in self.parameters())}"
+
     def embed(self, ids: Tensor) -> Tensor:  # [B, ...] long target ids -> [B, ..., H]
         return self.shared.embed_tokens(ids)
 

@@ -17,12 +17,15 @@ tokenization or drafter families; see ``engine.py`` for what is left out.
 """
 
 from components.engine.batch import (
+    OPEN_GATE,
     AsyncEngine,
     BatchEngine,
     EngineError,
     Request,
     StepOutput,
-    profile_path,
+    StoredProfile,
+    adaptive_policy,
+    loop_stages_for,
     profile_round_times,
     stored_round_times,
 )
@@ -33,6 +36,7 @@ from components.engine.schedule import AdaptiveDraftLength, FixedDraftLength
 from components.engine.tree import TreeEngine
 
 __all__ = [
+    "OPEN_GATE",
     "RULES",
     "AdaptiveDraftLength",
     "AsyncEngine",
@@ -45,9 +49,11 @@ __all__ = [
     "Request",
     "SpeculativeEngine",
     "StepOutput",
+    "StoredProfile",
     "TargetDrafter",
     "TreeEngine",
-    "profile_path",
+    "adaptive_policy",
+    "loop_stages_for",
     "profile_round_times",
     "stored_round_times",
     "target_only_generate",

@@ -67,6 +67,7 @@ class EngineDrafter(Protocol):
     def propose(self, state: Any, last_token: Tensor, sampling: SamplingParams = ...,
                 generator: torch.Generator | None = ..., num_speculative_tokens: int | None = ...) -> Proposal: ...
     def capabilities(self) -> frozenset[Capability]: ...
+    def identity(self) -> str: ...  # what stored measurements (round profiles) of it are keyed by
 
     # Declared, not probed (``components.drafters.capabilities``): ``OWN_CONTEXT`` (``consume_own``)
     # for loop_stages > 1 and ``CARRYOVER`` (``with_carry``) for carryover=True are required when

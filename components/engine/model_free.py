@@ -58,6 +58,10 @@ class TokenDrafter:
         """None beyond the core protocol: one request at a time, no own states, no carryover."""
         return frozenset()
 
+    def identity(self) -> str:
+        """What round profiles of this drafter are keyed by: its class (no parameters)."""
+        return f"{type(self).__name__}:0"
+
     def init_state(self, batch_size: int) -> TokenState:
         if batch_size != 1:
             raise ValueError(f"{type(self).__name__} drafts for one request at a time, got batch {batch_size}")

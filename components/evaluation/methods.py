@@ -34,18 +34,18 @@ from collections.abc import Iterable
 from typing import Any
 
 from components.config import ConfigError, EvalConfig
-from components.drafters.capabilities import Capability, CapabilityError, has, require
+from components.drafters.capabilities import Capability, CapabilityError, require
 from components.engine import (
+    OPEN_GATE,
     RULES,
-    AdaptiveDraftLength,
     BatchEngine,
     GenerationResult,
     PromptLookupDrafter,
     Request,
     SpeculativeEngine,
     TreeEngine,
-    profile_path,
-    stored_round_times,
+    adaptive_policy,
+    loop_stages_for,
     target_only_generate,
 )
 from components.engine.tree import TREE_RULES
@@ -117,24 +117,24 @@ def drafter_adaptive(ctx: EvalContext) -> MethodFn:
     the cap deciding how many a round drafts); a cap of 0 is a plain round. The policy learns
     over the prompts in turn, as a server's does over its requests."""
     ev, trained = ctx.ev, _trained(ctx, "drafter_adaptive")
-    stages = ev.loop_stages if has(trained, Capability.OWN_CONTEXT) else 1
+    stages = loop_stages_for(trained, ev.loop_stages)
     kwargs = {"num_speculative_tokens": ev.num_speculative_tokens, "loop_stages": stages,
-              "loop_gate": float("-inf"), "carryover": ev.carryover}
-    path = profile_path(ev.profile_dir, ctx.target, trained, (1,), kwargs)
-    if not path.is_file():
-        print(f"eval: drafter_adaptive: timing the engine's rounds at every draft cap (once per host) → {path}",
-              file=sys.stderr, flush=True)
-    rounds, reused = stored_round_times(path, ctx.target, trained, (1,), **kwargs)
-    engine = BatchEngine(ctx.target, trained, max_batch_size=1, draft_length=AdaptiveDraftLength(round_time=rounds),
-                         **kwargs)
+              "loop_gate": OPEN_GATE, "carryover": ev.carryover}
+    policy, stored = adaptive_policy(ctx.target, trained, ev.profile_dir, (1,), kwargs, notice=_timing_notice)
+    engine = BatchEngine(ctx.target, trained, max_batch_size=1, draft_length=policy, **kwargs)
     ctx.notes["drafter_adaptive"] = {"num_speculative_tokens": engine.num_speculative_tokens, "max_cap": engine.max_cap,
                                      "loop_stages": stages, "rule": ev.rule,
-                                     "round_profile": "stored" if reused else "measured"}
+                                     "round_profile": "stored" if stored.reused else "measured"}
 
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
         request = Request(ids, n, ctx.sampling, seed, rule=ev.rule)
         return _from_engine("drafter_adaptive", engine.generate([request])[0], drafting=True)
     return run
+
+
+def _timing_notice(path: Any) -> None:
+    print(f"eval: drafter_adaptive: timing the engine's rounds at every draft cap (once per host) → {path}",
+          file=sys.stderr, flush=True)
 
 
 def drafter_tree(ctx: EvalContext) -> MethodFn:

@@ -30,7 +30,7 @@ import torch
 from components.config import ConfigError, ServeConfig, TargetConfig
 from components.drafters import DrafterError, load_drafter
 from components.drafters.capabilities import Capability, has
-from components.engine import AdaptiveDraftLength, BatchEngine, profile_path, stored_round_times
+from components.engine import OPEN_GATE, BatchEngine, adaptive_policy, loop_stages_for
 from components.serving.fallback import GuardedDrafter
 from components.serving.provenance import DrafterSource
 from components.target import load_target
@@ -86,7 +86,7 @@ def loop_gate(sc: ServeConfig) -> float:
     ``FIXED_CAP_LOOP_GATE`` with a fixed cap (which would otherwise draft every stage always)."""
     if sc.loop_gate is not None:
         return float(sc.loop_gate)
-    return float("-inf") if sc.adaptive else FIXED_CAP_LOOP_GATE
+    return OPEN_GATE if sc.adaptive else FIXED_CAP_LOOP_GATE
 
 
 def adapt(parts: EngineParts, sc: ServeConfig) -> None:
@@ -131,9 +131,7 @@ def _carryover(sc: ServeConfig, drafter: Any) -> bool:
 def _loop_stages(sc: ServeConfig, drafter: Any) -> int:
     """``serve.loop_stages``, or when unset DLoop's ``DEFAULT_LOOP_STAGES`` for a drafter that
     drafts on its own states (block drafters) and 1 for one that cannot."""
-    if sc.loop_stages is not None:
-        return int(sc.loop_stages)
-    return DEFAULT_LOOP_STAGES if drafter is not None and has(drafter, Capability.OWN_CONTEXT) else 1
+    return int(sc.loop_stages) if sc.loop_stages is not None else loop_stages_for(drafter, DEFAULT_LOOP_STAGES)
 
 
 def _policy(sc: ServeConfig, target: Any, drafter: Any, kwargs: dict[str, Any]) -> tuple[Any, str | None]:
@@ -141,10 +139,8 @@ def _policy(sc: ServeConfig, target: Any, drafter: Any, kwargs: dict[str, Any]) 
     if not sc.adaptive or drafter is None:
         return None, None
     sizes = sorted({b for b in PROFILE_BATCH_SIZES if b < sc.max_ongoing_requests} | {1, sc.max_ongoing_requests})
-    # the file is named by the guarded module (the guard itself counts no parameters in the key)
-    path = profile_path(sc.profile_dir, target, drafter.drafter, sizes, kwargs)
     try:
-        rounds, reused = stored_round_times(path, target, drafter, sizes, **kwargs)
+        policy, stored = adaptive_policy(target, drafter, sc.profile_dir, sizes, kwargs)
     except ValueError as err:
         raise ConfigError(f"serve.profile_dir: {err}") from None
-    return AdaptiveDraftLength(round_time=rounds), f"{'stored' if reused else 'measured'}: {path.name}"
+    return policy, stored.describe()

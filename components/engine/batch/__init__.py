@@ -11,16 +11,19 @@
 * ``stats``      -- ``EngineStats``: engine-wide counters for dashboards and benchmarks;
 * ``profile``    -- ``profile_round_times``/``stored_round_times``: the engine's round seconds per
   (batch size, cap), for the adaptive draft-length policy;
+* ``adaptive``   -- ``adaptive_policy``/``loop_stages_for``: the adaptive cap over a stored profile,
+  as the serve and eval stages both set it up;
 * ``stream``     -- ``AsyncEngine``: requests in, async token streams out (one engine thread).
 
 Knows the batch-1 engine's steps (``engine.engine``), the rules, the KV caches and the
 draft-length policy; nothing about tokenization, HTTP or drafter families.
 """
 
+from components.engine.batch.adaptive import OPEN_GATE, adaptive_policy, loop_stages_for
 from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.profile import (
     RoundTimes,
-    profile_path,
+    StoredProfile,
     profile_round_times,
     stored_round_times,
 )
@@ -29,6 +32,7 @@ from components.engine.batch.stats import EngineStats
 from components.engine.batch.stream import AsyncEngine, EngineError
 
 __all__ = [
+    "OPEN_GATE",
     "AsyncEngine",
     "Batch",
     "BatchEngine",
@@ -38,7 +42,9 @@ __all__ = [
     "RoundTimes",
     "Row",
     "StepOutput",
-    "profile_path",
+    "StoredProfile",
+    "adaptive_policy",
+    "loop_stages_for",
     "profile_round_times",
     "stored_round_times",
 ]

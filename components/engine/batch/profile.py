@@ -32,13 +32,13 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.state import Request
@@ -175,35 +175,41 @@ def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = 
 
 
 def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """What a stored profile was measured for: target, drafter (class and size), batch sizes,
-    engine settings (as given, and the KV cache kind), device, dtype and threads. A profile is
-    only reused for an equal key."""
-    params = sum(p.numel() for p in drafter.parameters()) if isinstance(drafter, nn.Module) else 0  # model-free: 0
+    """What a stored profile was measured for: target, drafter (its declared ``identity()`` and
+    the engine's largest cap), batch sizes, engine settings (as given, and the KV cache kind),
+    device, dtype and threads. A profile is only reused for an equal key."""
     engine = BatchEngine(target, drafter, **{k: v for k, v in engine_kwargs.items() if k not in _PROFILER_ARGS})
     return {"target": str(getattr(target, "name_or_path", type(target).__name__)),
-            "drafter": f"{type(drafter).__name__}:{params}:{engine.max_cap}",
+            "drafter": f"{drafter.identity()}:{engine.max_cap}",
             "batch_sizes": sorted({int(b) for b in batch_sizes}),
             "engine": {k: repr(v) for k, v in sorted(engine_kwargs.items())},
             "kv_cache": "preallocated" if engine.preallocate else "dynamic", "device": str(target.device),
             "dtype": str(target.dtype), "threads": torch.get_num_threads()}
 
 
-def profile_path(profile_dir: str | Path, target: Any, drafter: Any, batch_sizes: Sequence[int],
-                 engine_kwargs: dict[str, Any]) -> Path:
-    """Where ``stored_round_times`` keeps the profile of this setting: one file per
-    ``profile_key`` under ``profile_dir`` (a serving replica and the eval stage share them). A
-    drafter that is not a module (a wrapper) counts no parameters in the key: name the file by
-    the module it wraps."""
-    key = json.dumps(profile_key(target, drafter, batch_sizes, engine_kwargs), sort_keys=True)
-    return Path(profile_dir).expanduser() / f"round-profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+@dataclass
+class StoredProfile:
+    """A round profile as ``stored_round_times`` found or measured it."""
+
+    times: RoundTimes
+    path: Path  # the file it is kept in
+    reused: bool  # True: read from ``path``; False: measured now and written there
+
+    def describe(self) -> str:
+        return f"{'stored' if self.reused else 'measured'}: {self.path.name}"
 
 
-def stored_round_times(path: str | Path, target: Any, drafter: Any, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                       **engine_kwargs: Any) -> tuple[RoundTimes, bool]:
-    """(profile, reused): the profile stored at ``path`` when it was measured for this setting
-    (``profile_key``), else a fresh ``profile_round_times`` written there (to a temporary file,
-    then renamed), so a server or a bench profiles once per machine and setting."""
-    path, key = Path(path), profile_key(target, drafter, batch_sizes, engine_kwargs)
+def stored_round_times(profile_dir: str | Path, target: Any, drafter: Any,
+                       batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+                       notice: Callable[[Path], None] | None = None, **engine_kwargs: Any) -> StoredProfile:
+    """The profile of this setting kept under ``profile_dir``, one file per ``profile_key`` (a
+    serving replica, the eval stage and the benches share them): read when its key matches,
+    else measured by ``profile_round_times`` (``notice(path)`` called first: it takes a while)
+    and written there (to a temporary file, then renamed), so it is measured once per machine
+    and setting."""
+    key = profile_key(target, drafter, batch_sizes, engine_kwargs)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(profile_dir).expanduser() / f"round-profile-{digest}.json"
     if path.is_file():
         try:
             data = json.loads(path.read_text())
@@ -211,10 +217,12 @@ def stored_round_times(path: str | Path, target: Any, drafter: Any, batch_sizes:
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"round profile {path}: unreadable ({err}); delete it to profile again") from None
         if stored is not None:
-            return stored, True
+            return StoredProfile(stored, path, True)
+    if notice is not None:
+        notice(path)
     times = profile_round_times(target, drafter, batch_sizes, **engine_kwargs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"key": key, **times.to_dict()}, indent=1))
     os.replace(tmp, path)
-    return times, False
+    return StoredProfile(times, path, False)

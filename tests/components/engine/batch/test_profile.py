@@ -3,11 +3,18 @@ rounds from it from the first round on."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from components.engine.batch import BatchEngine
-from components.engine.batch.profile import RoundTimes, profile_round_times, stored_round_times
+from components.engine.batch.profile import (
+    RoundTimes,
+    profile_key,
+    profile_round_times,
+    stored_round_times,
+)
 from components.engine.schedule import AdaptiveDraftLength
 from tests.components.engine.test_engine_greedy import random_drafter
 from tests.components.engine.test_schedule import GAMMA, run_rounds
@@ -25,16 +32,19 @@ def test_profile_covers_every_batch_size_and_cap(tiny_target):
 
 def test_a_stored_profile_is_reused_for_the_same_setting_only(tiny_target, tmp_path):
     drafter = random_drafter(tiny_target, "dspark")
-    path = tmp_path / "profiles" / "dspark.json"
-    first, reused = stored_round_times(path, tiny_target, drafter, (1,), context=8, rounds=1)
-    assert not reused and path.is_file() and not list(path.parent.glob("*.tmp"))
-    again, reused = stored_round_times(path, tiny_target, drafter, (1,), context=8, rounds=1)
-    assert reused and torch.equal(again.seconds, first.seconds)
-    other, reused = stored_round_times(path, tiny_target, drafter, (1, 2), context=8, rounds=1)
-    assert not reused and other.batch_sizes == [1, 2]  # another setting: profiled again, stored
+    where, noticed = tmp_path / "profiles", []
+    first = stored_round_times(where, tiny_target, drafter, (1,), notice=noticed.append, context=8, rounds=1)
+    path = first.path
+    assert not first.reused and path.is_file() and path.parent == where and not list(where.glob("*.tmp"))
+    assert noticed == [path] and first.describe() == f"measured: {path.name}"
+    again = stored_round_times(where, tiny_target, drafter, (1,), notice=noticed.append, context=8, rounds=1)
+    assert again.reused and again.path == path and torch.equal(again.times.seconds, first.times.seconds)
+    assert noticed == [path]  # nothing to wait for: no notice
+    other = stored_round_times(where, tiny_target, drafter, (1, 2), context=8, rounds=1)
+    assert not other.reused and other.times.batch_sizes == [1, 2] and other.path != path  # another setting
     path.write_text("{not json")
-    with pytest.raises(ValueError, match=r"dspark.json: unreadable .*delete it"):
-        stored_round_times(path, tiny_target, drafter, (1,), context=8, rounds=1)
+    with pytest.raises(ValueError, match=rf"{path.name}: unreadable .*delete it"):
+        stored_round_times(where, tiny_target, drafter, (1,), context=8, rounds=1)
 
 
 def test_round_times_interpolate_in_batch_size_and_hold_the_last_cap():
@@ -121,13 +131,13 @@ def test_a_dloop_profile_covers_every_cap_of_every_stage(tiny_target):
 
 
 def test_profiles_of_different_drafters_are_kept_apart(tiny_target, tmp_path):
-    """The profile's file is named by its key, so the key tells drafters apart by their parameters."""
+    """The profile's file is named by its key, so the key tells drafters apart by their declared
+    identity."""
     from components.config import DrafterConfig
     from components.drafters import build_drafter
-    from components.engine import profile_path
 
     small = random_drafter(tiny_target, "dspark")
     wider = build_drafter(DrafterConfig(name="dspark", num_layers=2), tiny_target).eval()
-    paths = {profile_path(tmp_path, tiny_target, d, (1,), {}) for d in (small, wider)}
-    assert len(paths) == 2
-    assert profile_path(tmp_path, tiny_target, small, (1,), {"loop_stages": 2}) not in paths  # another setting
+    keys = [json.dumps(profile_key(tiny_target, d, (1,), {}), sort_keys=True) for d in (small, wider)]
+    assert len(set(keys)) == 2
+    assert profile_key(tiny_target, small, (1,), {"loop_stages": 2}) != profile_key(tiny_target, small, (1,), {})
