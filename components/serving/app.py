@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from components.config import ServeConfig, SpeclineConfig
 from components.serving import responses as rs
@@ -177,8 +178,6 @@ async def start(replica: Replica, params: GenerateParams, arrival: float) -> tup
 # ----------------------------------------------------------------------------- the deployment
 async def respond(replica: Replica, model: str, params: Any, arrival: float) -> Any:
     """A checked generation request's response: an SSE stream, or one JSON body."""
-    from fastapi.responses import JSONResponse, StreamingResponse
-
     rid, first, gen = await start(replica, params, arrival)
     if params.stream:
         return StreamingResponse(events(rid, model, params, first, gen), media_type="text/event-stream")
@@ -212,71 +211,83 @@ def warm_up_steps(replica: Replica, sc: ServeConfig) -> list[tuple[str, Callable
     return [("round profile", lambda: adapt(replica.parts, sc))]
 
 
+class ServerRoutes:
+    """One replica: a target + drafter engine and what it answers on each route. The Serve
+    class of ``make_server_class`` only binds these methods to FastAPI paths."""
+
+    def __init__(self, cfg: SpeclineConfig, target_path: str, source: DrafterSource, api_key: str | None):
+        self.model, self.source, self.api_key, self.sc = model_id(cfg), source, api_key, cfg.serve
+        self.replica = build_replica(cfg, target_path, source, self.model)
+        threading.Thread(target=self.warm_up, name="specline-warm-up", daemon=True).start()
+
+    def warm_up(self) -> None:
+        """On the warm-up thread (module docstring)."""
+        self.replica.warm_up(warm_up_steps(self.replica, self.sc))
+
+    def check_health(self) -> None:
+        self.replica.check_health()
+
+    async def body(self, request: Request) -> Any:
+        """The request's JSON body, once its API key checks out."""
+        check_key(request, self.api_key)
+        return parse_json(await read_body(request, self.sc.max_body_bytes))
+
+    async def generate(self, kind: str, request: Request) -> Any:
+        """/v1/completions (``kind`` "completion") and /v1/chat/completions ("chat")."""
+        arrival = time.perf_counter()
+        body = await self.body(request)
+        self.replica.check_ready()
+        params = parse_request(kind, body, self.replica.served)
+        return await respond(self.replica, self.model, params, arrival)
+
+    def models(self, request: Request) -> Any:
+        check_key(request, self.api_key)
+        self.replica.check_ready()
+        return JSONResponse(model_card(self.model, self.source, self.replica))
+
+    def health(self) -> Any:
+        return JSONResponse(self.replica.status(), status_code=200 if self.replica.healthy else 503)
+
+    def metrics(self) -> Any:
+        self.replica.poll_metrics()
+        return PlainTextResponse(self.replica.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
 def make_server_class() -> type:
     """The FastAPI app and the Serve deployment class, made on call (no import-time app)."""
-    from fastapi.responses import JSONResponse, PlainTextResponse
     from ray import serve
 
     api = new_api()
 
     @serve.ingress(api)
-    class SpeclineServer:
-        """One replica: a target + drafter engine behind the OpenAI routes."""
-
-        def __init__(self, cfg: SpeclineConfig, target_path: str, source: DrafterSource, api_key: str | None):
-            self.model, self.source, self.api_key, self.sc = model_id(cfg), source, api_key, cfg.serve
-            self.replica = build_replica(cfg, target_path, source, self.model)
-            threading.Thread(target=self.warm_up, name="specline-warm-up", daemon=True).start()
-
-        def warm_up(self) -> None:
-            """On the warm-up thread (module docstring)."""
-            self.replica.warm_up(warm_up_steps(self.replica, self.sc))
-
-        def check_health(self) -> None:
-            self.replica.check_health()
-
-        async def _body(self, request: Request) -> Any:
-            """The request's JSON body, once its API key checks out."""
-            check_key(request, self.api_key)
-            return parse_json(await read_body(request, self.sc.max_body_bytes))
-
-        async def _generate(self, kind: str, request: Request) -> Any:
-            arrival = time.perf_counter()
-            body = await self._body(request)
-            self.replica.check_ready()
-            params = parse_request(kind, body, self.replica.served)
-            return await respond(self.replica, self.model, params, arrival)
-
+    class SpeclineServer(ServerRoutes):
         @api.post("/v1/completions")
         async def completions(self, request: Request) -> Any:
-            return await self._generate("completion", request)
+            return await self.generate("completion", request)
 
         @api.post("/v1/chat/completions")
         async def chat(self, request: Request) -> Any:
-            return await self._generate("chat", request)
+            return await self.generate("chat", request)
 
         @api.get("/v1/models")
-        async def models(self, request: Request) -> Any:
-            check_key(request, self.api_key)
-            self.replica.check_ready()
-            return JSONResponse(model_card(self.model, self.source, self.replica))
+        async def list_models(self, request: Request) -> Any:
+            return self.models(request)
 
         @api.get("/health")
-        async def health(self) -> Any:
-            return JSONResponse(self.replica.status(), status_code=200 if self.replica.healthy else 503)
+        async def get_health(self) -> Any:
+            return self.health()
 
         @api.post("/tokenize")
         async def tokenize(self, request: Request) -> Any:
-            return JSONResponse(tokenize_body(self.replica, await self._body(request)))
+            return JSONResponse(tokenize_body(self.replica, await self.body(request)))
 
         @api.post("/detokenize")
         async def detokenize(self, request: Request) -> Any:
-            return JSONResponse(detokenize_body(self.replica, await self._body(request)))
+            return JSONResponse(detokenize_body(self.replica, await self.body(request)))
 
         @api.get("/metrics")
-        async def metrics(self) -> Any:
-            self.replica.poll_metrics()
-            return PlainTextResponse(self.replica.metrics.render(), media_type="text/plain; version=0.0.4")
+        async def get_metrics(self) -> Any:
+            return self.metrics()
 
     return SpeclineServer
 
@@ -285,7 +296,6 @@ def new_api() -> Any:
     """A FastAPI app whose errors are OpenAI bodies: ``APIError`` → its status; anything else →
     a logged 500 with the same shape."""
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
 
     api = FastAPI(title="specline", docs_url=None, redoc_url=None)
 
