@@ -73,7 +73,7 @@ def _build(target_dir: Path, tokenizer: Any, cfg: TinyTargetConfig, dest: Path, 
     stream = training_stream(target_dir, tokenizer)
     special = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
     model = pretrain.init_model(pretrain.model_config(cfg, len(tokenizer), special), cfg.seed)
-    stats = pretrain.pretrain(model, stream, cfg, progress=progress)
+    stats = pretrain.pretrain(model, stream, cfg, progress=progress, what="hf_assisted's assistant")
     target_gen = GenerationConfig.from_pretrained(target_dir)
     model.generation_config = target_gen
     model.save_pretrained(dest, safe_serialization=True)

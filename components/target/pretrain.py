@@ -76,8 +76,9 @@ def _optimizer(model: torch.nn.Module, cfg: TinyTargetConfig) -> torch.optim.Opt
 
 
 def pretrain(model: Qwen3ForCausalLM, stream: torch.Tensor, cfg: TinyTargetConfig,
-             progress: bool = True) -> PretrainStats:
-    """Trains ``model`` in place on windows of ``stream`` [T] (token ids) for cfg.train_steps."""
+             progress: bool = True, what: str = "tiny target") -> PretrainStats:
+    """Trains ``model`` in place on windows of ``stream`` [T] (token ids) for cfg.train_steps
+    (the progress bar says ``pretraining <what>``)."""
     if stream.numel() <= cfg.seq_len + 1:
         raise ValueError(f"training stream has {stream.numel()} tokens; need more than seq_len={cfg.seq_len}")
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -85,7 +86,7 @@ def pretrain(model: Qwen3ForCausalLM, stream: torch.Tensor, cfg: TinyTargetConfi
     model.train()
     losses: list[float] = []
     start = time.perf_counter()
-    bar = tqdm(range(cfg.train_steps), desc="pretraining tiny target", disable=not progress, unit="step")
+    bar = tqdm(range(cfg.train_steps), desc=f"pretraining {what}", disable=not progress, unit="step")
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
