@@ -115,8 +115,7 @@ def logit_margin(target: Any, prompt: Prompt, reference: list[int], m: Mismatch)
     raw = target.forward(ids).logits[0, -1]  # [V] in the target's dtype
     logits = raw.float()
     size = float(logits[[m.expected, m.got]].abs().max())
-    eps = torch.finfo(raw.dtype).eps if raw.dtype.is_floating_point else 0.0
-    return float(logits[m.expected] - logits[m.got]), max(NEAR_TIE, TIE_ULPS * eps * size)
+    return float(logits[m.expected] - logits[m.got]), max(NEAR_TIE, TIE_ULPS * torch.finfo(raw.dtype).eps * size)
 
 
 def check_lossless(target: Any, prompts: list[Prompt], runs: dict[str, list[PromptRun]],
