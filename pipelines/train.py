@@ -73,7 +73,7 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     initial = choose_draft_vocab(cfg, target, initial, inputs)  # drafter.draft_vocab_size: from the records
     tracker.log_params({"train.input": inputs.source, "train.num_train_records": inputs.num_train,
                         "train.num_heldout_records": len(inputs.heldout)})
-    out = Path(cfg.train.output_dir).expanduser().resolve()
+    out = Path(cfg.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     evals = {"initial": evaluate_heldout(cfg.train, initial, inputs.heldout)}
     results: list[dict[str, Any]] = []

@@ -139,8 +139,8 @@ def _hf_rows(spec: str) -> Iterator[tuple[str, Any]]:
     import datasets
 
     try:
-        if Path(name).expanduser().is_dir():
-            ds = datasets.load_from_disk(str(Path(name).expanduser()))
+        if Path(name).is_dir():
+            ds = datasets.load_from_disk(name)
             ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
         else:
             ds = datasets.load_dataset(name, split=split)
@@ -242,7 +242,7 @@ def raw_prompts(cfg: DataConfig, target_dir: Path | None, stats: PromptStats,
                               "their chat/ and corpus/ splits); give a prompt file or 'hf:<dataset>' for other targets")
         yield from embedded_prompts(target_dir, cfg, tokenizer)
         return
-    rows = _hf_rows(source[3:]) if source.startswith("hf:") else _file_rows(Path(source).expanduser(), stats)
+    rows = _hf_rows(source[3:]) if source.startswith("hf:") else _file_rows(Path(source), stats)
     for where, row in rows:
         try:
             yield from row_prompts(row, where)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -144,7 +144,9 @@ class Roller:
         self.vllm = VllmGenerator(self.target.name_or_path, data_cfg) if data_cfg.backend == "vllm" else None
         self.seconds = {"generate": 0.0, "capture": 0.0}
 
-    def __call__(self, prompts: Sequence[Prompt]) -> list[Record]:
+    def __call__(self, prompts: Sequence[Prompt],
+                 on_batch: Callable[[list[Record]], None] | None = None) -> list[Record]:
+        """Records of ``prompts``, rolled out ``data.batch_size`` at a time (``on_batch`` after each)."""
         records: list[Record] = []
         for i in range(0, len(prompts), self.cfg.batch_size):
             batch = prompts[i:i + self.cfg.batch_size]
@@ -154,9 +156,12 @@ class Roller:
             else:
                 responses = generate(self.target, batch, self.cfg, self.stop_ids, self.pad_id)
             t1 = time.perf_counter()
-            records += capture(self.target, batch, responses, self.meta, self.pad_id)
+            done = capture(self.target, batch, responses, self.meta, self.pad_id)
+            records += done
             self.seconds["generate"] += t1 - t0
             self.seconds["capture"] += time.perf_counter() - t1
+            if on_batch is not None:
+                on_batch(done)
         return records
 
     def decode(self, record: Record) -> dict[str, str]:

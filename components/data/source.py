@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from components.config import ConfigError, DataConfig, SpeclineConfig, TargetConfig, run_dir
+from components.config import ConfigError, DataConfig, SpeclineConfig, TargetConfig
 from components.data.records import STORAGE_DTYPES, RecordMeta
 from components.drafters import TargetInfo
 from components.drafters.registry import resolve_layer_ids
@@ -69,10 +69,6 @@ def record_meta(cfg: SpeclineConfig, desc: TargetDescription) -> RecordMeta:
     return RecordMeta.of(desc.info, resolve_layer_ids(cfg.drafter, desc.info.num_layers), cfg.data.storage)
 
 
-def output_dir(cfg: SpeclineConfig) -> Path:
-    """``data.output_dir`` with ``${run_dir}`` resolved (also for configs built in code)."""
-    raw = cfg.data.output_dir.replace("${run_dir}", str(run_dir(cfg)))
-    return Path(raw).expanduser().resolve()
 
 
 def generation_params(cfg: DataConfig) -> dict[str, Any]:

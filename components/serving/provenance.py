@@ -57,10 +57,9 @@ def resolve_drafter(cfg: SpeclineConfig, upstream: dict[str, Any], tracking_uri:
 
 
 def _checked(path: str, key: str) -> str:
-    where = Path(path).expanduser()
-    if not (where / "config.json").is_file():
+    if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"{key}: '{path}' is not a drafter checkpoint directory (no config.json)")
-    return str(where.resolve())
+    return path
 
 
 def _download(cfg: SpeclineConfig, run_id: str, tracking_uri: str | None) -> str:

@@ -41,7 +41,7 @@ class CorpusError(RuntimeError):
 
 def corpus_cache(cache_dir: str) -> Path:
     """Where fetched corpus sources are kept: ``corpora/`` under ``target.cache_dir``."""
-    return Path(cache_dir).expanduser().resolve() / "corpora"
+    return Path(cache_dir) / "corpora"
 
 
 # ----------------------------------------------------------------------------- sources

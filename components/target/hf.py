@@ -188,10 +188,6 @@ class Target:
 
 
 # ----------------------------------------------------------------------------- loading
-def _looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
-
-
 BUILT_IN = (EMBEDDED_TARGET, SMOLLM2_TARGET, TINY_TARGET)
 
 
@@ -218,14 +214,14 @@ def resolve_target_path(cfg: TargetConfig, progress: bool = True) -> str:
         except ConversionError as err:
             raise TargetError(str(err)) from None
         return str(path)
-    if _looks_like_path(cfg.name_or_path):
-        path = Path(cfg.name_or_path).expanduser()
+    if Path(cfg.name_or_path).is_absolute():  # a local directory (config paths are absolute: components/paths.py)
+        path = Path(cfg.name_or_path)
         if not (path / "config.json").is_file():
             raise TargetError(
                 f"target.name_or_path: '{cfg.name_or_path}' is not a model directory "
                 f"(no config.json there); give an HF checkpoint directory, a hub id or one of {list(BUILT_IN)}"
             )
-        return str(path.resolve())
+        return str(path)
     return cfg.name_or_path
 
 

@@ -121,7 +121,7 @@ def cache_key(sha256: str) -> str:
 
 
 def smollm2_target_dir(cfg: TargetConfig, sha256: str) -> Path:
-    return Path(cfg.cache_dir).expanduser().resolve() / f"{NAME}-{cache_key(sha256)}"
+    return Path(cfg.cache_dir) / f"{NAME}-{cache_key(sha256)}"
 
 
 def read_info(path: Path) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def cache_key(cfg: TinyTargetConfig) -> str:
 
 
 def tiny_target_dir(cfg: TargetConfig) -> Path:
-    return Path(cfg.cache_dir).expanduser().resolve() / f"tiny-{cache_key(cfg.tiny)}"
+    return Path(cfg.cache_dir) / f"tiny-{cache_key(cfg.tiny)}"
 
 
 def read_info(path: Path) -> dict[str, Any]:

@@ -82,7 +82,7 @@ def data_dir(cfg: SpeclineConfig, upstream: dict[str, Any]) -> Path:
     found = cfg.train.data_dir or upstream.get("data_dir")
     if not found:
         raise ConfigError("train: no data; set train.data_dir or run the data stage first (shards mode)")
-    return Path(found).expanduser().resolve()
+    return Path(found)
 
 
 def shard_inputs(cfg: SpeclineConfig, data_dir: Path, target: TargetIdentity, layer_ids: list[int]) -> TrainInputs:
@@ -130,7 +130,7 @@ def choose_draft_vocab(cfg: SpeclineConfig, target: Any, drafter: Drafter, input
 
 
 def vocab_dir(cfg: SpeclineConfig) -> Path:
-    return Path(cfg.train.output_dir).expanduser().resolve() / VOCAB_DIR
+    return Path(cfg.train.output_dir) / VOCAB_DIR
 
 
 def shared_draft_vocab(cfg: SpeclineConfig, drafter: Drafter) -> Drafter:

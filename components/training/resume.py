@@ -70,7 +70,7 @@ def save_checkpoint(state: TrainState, path: str | Path, extra: dict[str, Any] |
                     full: FullState | None = None) -> Path:
     """Writes a complete checkpoint of ``state`` at ``path`` (atomically). Sharded (FSDP) training
     passes ``full``, the gathered weights and optimizer state, so the files are the same as DDP's."""
-    path = Path(path).expanduser().resolve()
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:

@@ -58,3 +58,12 @@ def test_no_import_circle_in_components():
         list(TopologicalSorter(import_graph()).static_order())
     except CycleError as err:
         raise AssertionError(f"import circle in components/: {' -> '.join(err.args[1])}") from None
+
+
+def test_components_never_import_the_stages():
+    """``pipelines/`` builds on ``components/``, never the other way (Ray workers ship components only)."""
+    upward = [f"{path.relative_to(ROOT.parent)}:{node.lineno}" for path in ROOT.rglob("*.py")
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "pipelines" for a in node.names)
+              or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "pipelines"]
+    assert upward == []

@@ -9,7 +9,7 @@ import pytest
 from components.config import DataConfig, DrafterConfig, SpeclineConfig
 from components.data.build import build_shards
 from components.data.prompts import collect_prompts
-from components.data.source import describe_target, output_dir
+from components.data.source import describe_target
 
 TRAIN_DATA = DataConfig(max_prompts=10, max_new_tokens=12, batch_size=5, shard_size=5, storage="float16",
                         temperature=0.8, num_actors=1, cpus_per_actor=0.5)
@@ -23,5 +23,5 @@ def train_data_dir(tmp_path_factory, tiny_target_cfg, tiny_target_build, ray_ses
                          data=TRAIN_DATA, drafter=TRAIN_DRAFTER)
     info = describe_target(cfg)
     prompts, stats = collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)
-    build_shards(cfg, info, prompts, stats, output_dir(cfg))
-    return output_dir(cfg)
+    build_shards(cfg, info, prompts, stats, Path(cfg.data.output_dir))
+    return Path(cfg.data.output_dir)

@@ -209,7 +209,7 @@ def stored_round_times(profile_dir: str | Path, target: Any, drafter: Any,
     and setting."""
     key = profile_key(target, drafter, batch_sizes, engine_kwargs)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(profile_dir).expanduser() / f"round-profile-{digest}.json"
+    path = Path(profile_dir) / f"round-profile-{digest}.json"
     if path.is_file():
         try:
             data = json.loads(path.read_text())

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from components.config import DataConfig, SpeclineConfig
+from components.data.actors import Tally
 from components.data.build import build_shards
 from components.data.prompts import collect_prompts
 from components.data.records import Record, RecordMeta, RecordMismatchError, batch_to_records
@@ -25,7 +27,7 @@ from components.data.shards import (
     write_manifest,
     write_shard,
 )
-from components.data.source import describe_target, output_dir, record_meta
+from components.data.source import describe_target, record_meta
 from components.data.stream import rollout_stream
 
 pytestmark = pytest.mark.slow
@@ -58,8 +60,29 @@ def built(tmp_path_factory, tiny_target_cfg, tiny_target_build, ray_session):
     cfg = SpeclineConfig(run_dir=str(tmp_path_factory.mktemp("data") / "runs"), target=tiny_target_cfg, data=SMALL)
     desc = describe_target(cfg)
     prompts, stats = collect_prompts(cfg.data, desc.tokenizer, desc.corpus_dir)
-    manifest = build_shards(cfg, desc, prompts, stats, output_dir(cfg))
+    lines: list[str] = []
+    manifest = build_shards(cfg, desc, prompts, stats, Path(cfg.data.output_dir), lines=lines.append)
+    manifest["progress_lines"] = lines  # (for the test below; not written anywhere)
     return cfg, desc, prompts, manifest
+
+
+def test_progress_lines_count_every_record_and_token_over_the_actors(built):
+    *_, manifest = built
+    totals, lines = manifest["totals"], manifest["progress_lines"]
+    assert lines and lines[-1].startswith(f"data: {totals['records']}/{totals['records']} records, "
+                                          f"{totals['tokens']:,} tokens, ")
+    done = [int(line.split()[1].split("/")[0]) for line in lines]
+    assert done == sorted(set(done))  # shown when it changed, never backwards
+
+
+def test_tally_sums_batches_into_one_line():
+    tally = Tally(10, started=time.time() - 2.0)
+    assert tally.line() == ""
+    tally.add(4, 400)
+    tally.add(2, 150)
+    line = tally.line()
+    assert line.startswith("data: 6/10 records, 550 tokens, ") and line.endswith(" tok/s")
+    assert 200 <= int(line.split()[-2]) <= 275  # 550 tokens over about 2 s
 
 
 def _by_id(records):
@@ -72,7 +95,7 @@ def test_shards_read_back_bit_identical_to_the_rollouts(built):
     cfg, desc, prompts, manifest = built
     assert manifest["totals"]["records"] == len(prompts) == 6 and len(manifest["shards"]) == 3
     assert manifest["totals"]["bytes_per_token"] > 0 and manifest["schema"]["hidden"].startswith("float32")
-    read = list(read_records(output_dir(cfg), expect=record_meta(cfg, desc), verify=True))
+    read = list(read_records(Path(cfg.data.output_dir), expect=record_meta(cfg, desc), verify=True))
     direct = Roller(desc.target_cfg, cfg.data, record_meta(cfg, desc))(prompts)  # same batches, in process
     assert [r.sample_id for r in read] == [p.prompt_id for p in prompts]
     for got, want in zip(read, direct):
@@ -83,7 +106,7 @@ def test_shards_read_back_bit_identical_to_the_rollouts(built):
 
 def test_crash_mid_write_then_rerun_completes_without_duplicates(built):
     cfg, desc, prompts, manifest = built
-    out = output_dir(cfg)
+    out = Path(cfg.data.output_dir)
     before = {r.sample_id: r for r in read_records(out)}
     kept = out / manifest["shards"][0]["name"]
     kept_stat = kept.stat()
@@ -107,7 +130,7 @@ def test_stream_yields_the_same_records_as_shards(built):
     rows = stream.dataset.take_all()
     batch = {k: [row[k] for row in rows] for k in rows[0]}
     streamed = _by_id(batch_to_records(batch))
-    shards = _by_id(list(read_records(output_dir(cfg))))
+    shards = _by_id(list(read_records(Path(cfg.data.output_dir))))
     assert set(streamed) == set(shards)
     for sid, rec in shards.items():
         assert rec.equals(streamed[sid]), sid
@@ -119,7 +142,7 @@ def test_either_format_reads_back_as_the_same_ray_dataset(built, tmp_path):
 
     cfg, desc, prompts, _ = built
     meta = record_meta(cfg, desc)
-    dirs = {"parquet": output_dir(cfg), "safetensors": copy_as_safetensors(output_dir(cfg), tmp_path / "st")}
+    dirs = {"parquet": Path(cfg.data.output_dir), "safetensors": copy_as_safetensors(Path(cfg.data.output_dir), tmp_path / "st")}
     rows = {fmt: {r["sample_id"]: r for r in ray.data.from_arrow(read_tables(d, expect=meta)).take_all()}
             for fmt, d in dirs.items()}
     assert sorted(rows["parquet"]) == sorted(rows["safetensors"]) == sorted(p.prompt_id for p in prompts)
@@ -138,9 +161,9 @@ def test_reading_shards_for_another_target_is_refused(built, change, field):
     cfg, desc, _, _ = built
     other = dataclasses.replace(record_meta(cfg, desc), **change)
     with pytest.raises(RecordMismatchError, match=f"{field} is"):
-        list(read_records(output_dir(cfg), expect=other))
+        list(read_records(Path(cfg.data.output_dir), expect=other))
     with pytest.raises(RecordMismatchError, match=f"shard-00000.parquet: .*{field} is"):
-        read_shard(output_dir(cfg) / "shard-00000.parquet", expect=other)
+        read_shard(Path(cfg.data.output_dir) / "shard-00000.parquet", expect=other)
 
 
 def test_resuming_into_a_directory_of_another_layer_set_is_refused(built):
@@ -148,6 +171,6 @@ def test_resuming_into_a_directory_of_another_layer_set_is_refused(built):
     other = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, layer_ids=[0, 2]))
     with pytest.raises(RecordMismatchError, match="layer_ids is"):
         build_shards(other, desc, prompts, collect_prompts(cfg.data, desc.tokenizer, desc.corpus_dir)[1],
-                     output_dir(cfg))
-    manifest = json.loads((output_dir(cfg) / MANIFEST).read_text())
+                     Path(cfg.data.output_dir))
+    manifest = json.loads((Path(cfg.data.output_dir) / MANIFEST).read_text())
     assert manifest["meta"]["layer_ids"] == list(record_meta(cfg, desc).layer_ids)
