@@ -171,7 +171,9 @@ class DrafterConfig:
     medusa_heads: int = 4  # Medusa: γ residual heads
     medusa_layers: int = 1  # Medusa: residual blocks per head
     mtp_depth: int = 1  # MTP: sequential modules (reused beyond the depth)
-    num_speculative_tokens: int | None = None  # sequential drafters: default γ per round (None: ttt/heads/depth)
+    # γ, drafts per round, recorded in the checkpoint; None: the drafter's own (a block drafter's block:
+    # block_size, or block_size - 1 without sample_from_anchor; ttt_steps / medusa_heads / mtp_depth)
+    num_speculative_tokens: int | None = None
     store_shared: bool = False  # also store frozen copies of embedding + LM head in checkpoints
     # DFlash/DSpark: a learned E_carry added to rejected target states (the carryover objective sets it)
     carryover: bool = False
