@@ -11,18 +11,18 @@ One round, for committed x_0..x_{n-1} (the invariant of ``engine.py``)::
     verify  -- one target forward over [x_{n-1}, tree nodes] [1, N+1]: node j sits at position
                n-1+depth_j and attends to the context, the root and its own ancestors (a 4-D
                additive mask); slot 0's logits predict the root's children, slot j+1's node j's;
-               the rule walks the tree (``spec.tree_verify``): greedy, Gumbel (shared noise keyed
-               by absolute position) or lossless sampling for a deterministic tree;
+               the rule walks the tree (``Rule.verify_tree``): greedy, Gumbel (shared noise
+               keyed by absolute position) or lossless sampling for a deterministic tree;
     accept  -- the root and the accepted path's slots are moved together in the KV cache
                (``cache.keep_slots``: a gather, nothing recomputed), the rest dropped; the
                drafter consumes the path's hidden states from the verify pass.
 
 The output is the target's own under each rule (tests: greedy and Gumbel token for token,
-sampling by a chi-square test). Not combined with DLoop stages or carryover, and the ``block``
-rule is for chains only. The prefill and the loop are the chain engine's (``engine.py``); the
-causal builder needs a drafter declaring ``Capability.CAUSAL_TREE_HEAD`` (refused at build time
-otherwise). Knows the engine protocol of drafters and the tree builders and verifiers of
-``components.spec``; nothing about drafter families.
+sampling by a chi-square test). Not combined with DLoop stages or carryover; rules without
+``trees`` (block) are for chains only. The prefill and the loop are the chain engine's
+(``engine.py``); the causal builder needs a drafter declaring ``Capability.CAUSAL_TREE_HEAD``
+(refused at build time otherwise). Knows the engine protocol of drafters and the tree builders of ``components.spec``;
+nothing about drafter families or which rule verifies how.
 """
 
 from __future__ import annotations
@@ -44,23 +44,16 @@ from components.engine.engine import (
     decode,
     sync_device,
 )
-from components.engine.rules import GumbelRule, RoundRandomness
-from components.spec.sampling import SamplingParams, log_probs_from_logits, probs_from_logits
-from components.spec.tree_verify import (
-    TreeVerifyResult,
-    tree_noise_positions,
-    verify_tree_greedy,
-    verify_tree_gumbel,
-    verify_tree_sampling,
-)
+from components.engine.rules import RoundRandomness, get_rule
+from components.ruleset import rules_where
+from components.spec.sampling import SamplingParams, log_probs_from_logits
+from components.spec.tree_verify import TreeVerifyResult
 from components.spec.trees import (
     TokenTree,
     ancestor_mask,
     build_best_first_tree,
     build_causal_trees,
 )
-
-TREE_RULES = ("greedy", "gumbel", "speculative")
 
 
 class TreeEngine:
@@ -71,9 +64,8 @@ class TreeEngine:
                  budget: int = 16, builder: str = "ddtree", top_m: int = 8, preallocate: bool = True):
         """``builder``: ``ddtree`` (per-depth marginals) or ``causal`` (DominoTree: children scored
         on their own path by the drafter's ``causal_tree_head``, among the top-``top_m`` tokens)."""
-        if rule not in TREE_RULES:
-            raise ValueError(f"tree engine: rule '{rule}' is not one of {list(TREE_RULES)} (block verification "
-                             "is defined for chains only)")
+        if not get_rule(rule).trees:
+            raise ValueError(f"tree engine: rule '{rule}' verifies chains only (tree rules: {rules_where(trees=True)})")
         if budget < 1:
             raise ValueError(f"tree engine: budget must be >= 1 node, got {budget}")
         if builder not in ("ddtree", "causal"):
@@ -117,15 +109,7 @@ class TreeEngine:
         out = self.target.forward(ids, attention_mask=mask, layer_ids=self.layer_ids, cache=seq.cache,
                                   use_cache=True, position_ids=positions)
         tokens, parents = tree.tokens.to(dev)[None], tree.parents.to(dev)[None]
-        if self.rule.name == "greedy":
-            result = verify_tree_greedy(tokens, parents, out.logits)
-        elif self.rule.name == "gumbel":
-            noise_pos = tree_noise_positions(torch.tensor([seq.length], device=dev), depths)
-            noise = GumbelRule.noise(noise_pos, out.logits.shape[-1], rnd)
-            result = verify_tree_gumbel(tokens, parents, log_probs_from_logits(out.logits, rnd.sampling), noise)
-        else:  # deterministic tree: the target-sample walk
-            result = verify_tree_sampling(tokens, parents, probs_from_logits(out.logits, rnd.sampling), None,
-                                          generator=rnd.generator)
+        result = self.rule.verify_tree(tokens, parents, depths, out.logits, seq.length, rnd)
         return result, out.hidden, out.cache
 
     def accept_tree(self, seq: SequenceState, tree: TokenTree, result: TreeVerifyResult, hidden: Tensor | None,

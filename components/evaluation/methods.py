@@ -48,11 +48,11 @@ from components.engine import (
     loop_stages_for,
     target_only_generate,
 )
-from components.engine.tree import TREE_RULES
 from components.evaluation.context import EvalContext, Method, MethodFn, Peer
 from components.evaluation.hf import hf_generate
 from components.evaluation.metrics import PromptRun
 from components.evaluation.vllm_peers import VLLM_METHODS, VLLM_REFERENCE, vllm_python
+from components.ruleset import rules_where
 
 REFERENCE = "target_only"
 PEER_BASELINES: dict[Peer, str] = {"hf": "hf_generate", "vllm": VLLM_REFERENCE}  # peer → its plain decoding
@@ -140,8 +140,8 @@ def _timing_notice(path: Any) -> None:
 def drafter_tree(ctx: EvalContext) -> MethodFn:
     """The trained drafter with token trees (batch 1): ``eval.tree_budget`` nodes per round."""
     ev = ctx.ev
-    if ev.rule not in TREE_RULES:
-        raise ConfigError(f"eval.rule: drafter_tree verifies trees under {list(TREE_RULES)}, not '{ev.rule}'")
+    if ev.rule not in rules_where(trees=True):
+        raise ConfigError(f"eval.rule: drafter_tree verifies trees under {rules_where(trees=True)}, not '{ev.rule}'")
     if ev.tree_builder not in ("ddtree", "causal") or ev.tree_budget < 1:
         raise ConfigError(f"eval.tree_builder/tree_budget: '{ev.tree_builder}'/{ev.tree_budget}; the builder is "
                           "ddtree or causal, the budget at least 1 node")

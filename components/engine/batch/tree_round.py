@@ -4,14 +4,14 @@ instead of a chain (``BatchEngine(tree_budget=N)``).
 A verify pass over one row is memory-bound: N + 1 tokens cost little more than γ + 1 on an
 accelerator, and a tree of N nodes keeps the best alternatives at every depth where a chain
 keeps one. So when the batch has shrunk to one row (a quiet server, the last request of a
-batch) and that row's rule verifies trees path-independently (greedy, or Gumbel coupling: the
-output is the target's own whatever was drafted), the round is ``TreeEngine.round`` on that
+batch) and that row's rule declares ``batched_trees`` (its tree output is the target's own
+whatever was drafted: greedy, Gumbel coupling), the round is ``TreeEngine.round`` on that
 row: the ragged cache is compacted to the row's committed slots (so the tree's 4-D mask can sit
 right after them), and the round's cache becomes the batch's again. With two or more rows,
 rounds are chains as before.
 
-Sampled rows (``speculative``, ``block``) keep chains, so their output stays what the batch-1
-chain engine would draw for the same seed. Not with DLoop stages or carryover (refused at
+Rows of other rules keep chains, so their output stays what the batch-1 chain engine would
+draw for the same seed. Not with DLoop stages or carryover (refused at
 construction, as ``TreeEngine`` refuses them). Knows the tree engine, the batch's records and
 the ragged cache; nothing about drafter families or the drafter's deferred updates (the batch
 engine flushes them before a tree round).
@@ -24,13 +24,12 @@ from typing import Any
 from components.engine.batch.state import Batch, Row, StepOutput
 from components.engine.cache.ragged import RaggedCache
 from components.engine.engine import SequenceState
+from components.engine.rules import RULES
 from components.engine.tree import TreeEngine
-
-TREE_BATCH_RULES = ("greedy", "gumbel")  # rules whose output does not depend on the drafts
 
 
 class TreeRounds:
-    """Tree rounds of a lone row, one ``TreeEngine`` per rule in ``TREE_BATCH_RULES``."""
+    """Tree rounds of a lone row, one ``TreeEngine`` per rule declaring ``batched_trees``."""
 
     def __init__(self, target: Any, drafter: Any, gamma: int, budget: int, builder: str = "ddtree",
                  loop_stages: int = 1, carryover: bool = False, preallocate: bool = True):
@@ -43,7 +42,7 @@ class TreeRounds:
         if loop_stages > 1 or carryover:
             raise ValueError("tree_budget: token trees are not combined with DLoop stages or carryover")
         self.engines = {rule: TreeEngine(target, drafter, rule, gamma, budget=budget, builder=builder,
-                                         preallocate=preallocate) for rule in TREE_BATCH_RULES}
+                                         preallocate=preallocate) for rule, r in RULES.items() if r.batched_trees}
 
     def lone_row(self, batch: Batch) -> Row | None:
         """The running row, if it is alone, speculates and its rule verifies trees."""
