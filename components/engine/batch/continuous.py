@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from components.engine.adaptive.policy import DraftLengthPolicy, FixedDraftLength
 from components.engine.batch.admit import Admission
 from components.engine.batch.draft import Drafting
 from components.engine.batch.state import Batch, Request, Row, StepOutput
@@ -52,7 +53,6 @@ from components.engine.engine import (
     sync_device,
 )
 from components.engine.rules import RULES, Rule
-from components.engine.schedule import DraftLengthPolicy, FixedDraftLength
 
 
 class BatchEngine:

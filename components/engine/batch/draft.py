@@ -1,10 +1,9 @@
 """The drafter's side of the batch engine's rounds: this round's draft cap, the drafts of every
 speculating row, and the drafter's updates after verification (``Drafting``).
 
-The cap is asked of the draft-length policy with each row's survival estimate: its latest
-proposal's confidences, scaled by the row's own record of accepted against predicted drafts
-(when the policy calibrates), else the acceptance seen over all rows scaled the same way; and,
-when no request waits to join, each row's tokens left (the batch is draining).
+The cap is the policy's (``adaptive.round_cap``) over the rows' survival estimates
+(``adaptive.RowSurvival``), given, when no request waits to join, each row's tokens left (the
+batch is draining); a policy that does not adapt (``FixedDraftLength``) leaves it at γ·stages.
 
 A drafter declaring ``Capability.BATCHED_PROPOSE`` (block drafters; EAGLE-3, MTP: one pass per
 draft step) drafts the rows that draft in one stage together, in padded, masked drafter
@@ -30,16 +29,10 @@ import torch
 from torch import Tensor
 
 from components.drafters.capabilities import Capability, has
+from components.engine.adaptive.policy import DraftLengthPolicy
+from components.engine.adaptive.rows import round_cap
 from components.engine.batch.state import Row
 from components.engine.engine import SpeculativeEngine, sync_device
-from components.engine.schedule import (
-    DraftLengthPolicy,
-    FixedDraftLength,
-    survival_from_confidences,
-)
-
-ROW_DECAY = 0.8  # per round, on a row's predicted/accepted sums
-ROW_PRIOR = 4.0  # pseudo-tokens on both sides of a row's ratio: about one round's worth of evidence
 
 
 def consume_rows(drafter: Any, states: list[Any], tokens: list[Tensor], hidden: list[Tensor | None]) -> list[Any]:
@@ -70,7 +63,9 @@ class Drafting:
     def draft(self, rows: list[Row], draining: bool) -> float:
         """Drafts for every speculating row under this round's cap; returns the seconds spent.
         ``draining``: no request waits to join."""
-        self._count_row_hits(rows)
+        for row in rows:  # last round's outcome, for the rows' own records
+            if row.drafts is not None and row.result.accepted:
+                row.estimate.settle(row.drafts.shape[1], row.result.accepted[-1])
         cap = self._cap(rows, draining)
         spent = self.flush([r for r in rows if r.pending and cap and r.speculates])
         together: list[tuple[Row, int]] = []
@@ -91,11 +86,7 @@ class Drafting:
             spent += time.perf_counter() - t0
         spent += self._draft_together(together)
         for row in rows:
-            conf = survival_from_confidences(row.proposal.confidences) if row.proposal is not None else None
-            # no proposal this round (a plain round): no fresh estimate, so the next cap reads the
-            # acceptance seen so far; a stale low confidence would keep the row plain for good
-            row.raw_survival = conf[0] if conf is not None else None
-            row.survival = row_calibrated(row.raw_survival, row.hits) if self._per_row else row.raw_survival
+            row.estimate.refresh(row.proposal.confidences if row.proposal is not None else None, self.policy.calibrate)
         return spent
 
     def _draft_together(self, rows: list[tuple[Row, int]]) -> float:
@@ -156,61 +147,16 @@ class Drafting:
         return states
 
     # ------------------------------------------------------------------ the cap
-    @property
-    def _per_row(self) -> bool:
-        """Rows' survival calibrated by their own record: when the policy calibrates at all."""
-        return bool(self.policy.calibrate)
-
-    def _count_row_hits(self, rows: list[Row]) -> None:
-        """Each row that drafted last round adds what its confidences predicted and what it got
-        (decayed), for ``row_calibrated``: the head's error is not the same on every request."""
-        for row in rows:
-            if row.drafts is None or row.raw_survival is None or not row.result.accepted:
-                continue
-            drafted = row.drafts.shape[1]
-            row.hits[0] = ROW_DECAY * row.hits[0] + float(row.raw_survival[:drafted].sum())
-            row.hits[1] = ROW_DECAY * row.hits[1] + float(row.result.accepted[-1])
-
     def _cap(self, rows: list[Row], draining: bool) -> int:
         """This round's draft cap from the policy, over the rows that speculate."""
         rows = [r for r in rows if r.speculates]
         if not rows or self.max_cap == 0:
             return 0
-        if isinstance(self.policy, FixedDraftLength):
+        if not self.policy.adapts:
             return self.max_cap
-        fallback = self.policy.empirical_survival(self.max_cap)
-        survival = torch.stack([self._row_estimate(r, fallback) for r in rows])  # [B', max_cap]
         # draining: the batch's time is that of its last row
-        remaining = [r.remaining for r in rows] if draining else None
-        cap = self.policy.cap(survival, self.max_cap, remaining=remaining)
+        cap = round_cap(self.policy, [r.estimate for r in rows], self.max_cap,
+                        [r.remaining for r in rows] if draining else None)
         self.caps.append(cap)
         self.capped_rounds += 1
         return cap
-
-    def _row_estimate(self, row: Row, fallback: Tensor) -> Tensor:  # → [max_cap] float64
-        """A row's survival: its latest confidences (already scaled by its record), extended
-        past their length by the acceptance seen over all rows; without fresh confidences
-        (after a plain round), that acceptance alone, scaled by the row's own record."""
-        if row.survival is None and self._per_row:
-            return row_calibrated(fallback, row.hits)
-        return _fill(row.survival, fallback)
-
-
-def row_calibrated(survival: Tensor | None, hits: list[float]) -> Tensor | None:
-    """A row's survival [γ'] scaled by what its own past rounds got against what its
-    confidences predicted, (accepted + m) / (predicted + m), monotone and at most 1. The
-    policy's per-position calibration works over all rows; this one catches the request the
-    head is steadily wrong about (a hard continuation in a batch of easy ones)."""
-    if survival is None:
-        return None
-    ratio = (hits[1] + ROW_PRIOR) / (hits[0] + ROW_PRIOR)
-    return (survival.double() * ratio).clamp(0, 1).cummin(dim=-1).values
-
-
-def _fill(survival: Tensor | None, fallback: Tensor) -> Tensor:  # → [len(fallback)] float64
-    if survival is None:
-        return fallback
-    s, n = survival.double().cpu()[: fallback.shape[0]], min(survival.shape[0], fallback.shape[0])
-    if n == 0:
-        return fallback
-    return torch.cat([s, fallback[n:] / fallback[n - 1].clamp_min(1e-9) * s[-1]])  # extend by empirical α

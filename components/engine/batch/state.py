@@ -3,7 +3,8 @@ request, a ``Row`` (one admitted request: its sequence state, randomness and thi
 drafts) and the ``Batch`` of rows with their shared ragged cache.
 
 Every collaborator of ``engine.BatchEngine`` (admission, drafting, tree rounds) receives these
-as arguments. Knows sequences, rules and proposals as values; does no model work.
+as arguments. Knows sequences, rules, proposals and survival estimates as values; does no
+model work.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal
+from components.engine.adaptive.rows import RowSurvival
 from components.engine.cache.ragged import RaggedCache
 from components.engine.engine import GenerationResult, SequenceState
 from components.engine.rules import RULES, RoundRandomness, Rule
@@ -82,9 +84,7 @@ class Row:
     result: GenerationResult
     started: float  # perf_counter at admission
     proposal: Proposal | None = None  # this round's
-    survival: Tensor | None = None  # [γ'] this round's proposal's survival, calibrated for this row
-    raw_survival: Tensor | None = None  # [γ'] the same as the confidence head gave it
-    hits: list[float] = field(default_factory=lambda: [0.0, 0.0])  # this row's Σ predicted, Σ accepted
+    estimate: RowSurvival = field(default_factory=RowSurvival)  # survival for the adaptive cap
     pending: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # verified (tokens [1, 1], hidden
     # [1, 1, n, H]) the drafter has not consumed yet: plain rounds of a speculating row defer it
     drafts: Tensor | None = None  # [1, γ_b] this round's

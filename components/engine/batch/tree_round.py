@@ -67,7 +67,8 @@ class TreeRounds:
         seq = self.engines[row.request.rule].round(seq, row.remaining, row.rnd, res)
         batch.cache = RaggedCache.single(seq.cache)
         row.seq = SequenceState(None, seq.draft_state, seq.last_token, seq.length, seq.new_tokens)
-        row.proposal = row.survival = row.raw_survival = row.drafts = None
+        row.proposal = row.drafts = None
+        row.estimate.clear()
         out = row.output(row.seq.new_tokens[before:], before)
         if out.finished:
             batch.remove([0])

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from components.config import ConfigError, ServeConfig
-from components.engine.batch.profile import profile_key
+from components.engine.adaptive.profile import profile_key
 from components.serving.app import served_for, warm_up_steps
 from components.serving.parts import build_parts
 from components.serving.protocol import APIError, parse_request

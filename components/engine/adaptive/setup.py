@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from components.drafters.capabilities import Capability, has
-from components.engine.batch.profile import StoredProfile, stored_round_times
-from components.engine.schedule import AdaptiveDraftLength
+from components.engine.adaptive.policy import AdaptiveDraftLength
+from components.engine.adaptive.profile import StoredProfile, stored_round_times
 
 OPEN_GATE = float("-inf")  # DLoop gate under the adaptive cap: every stage allowed, the cap decides
 

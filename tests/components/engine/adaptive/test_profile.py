@@ -8,16 +8,12 @@ import json
 import pytest
 import torch
 
+from components.engine.adaptive.policy import AdaptiveDraftLength
+from components.engine.adaptive.profile import profile_key, profile_round_times, stored_round_times
+from components.engine.adaptive.times import RoundTimes
 from components.engine.batch import BatchEngine
-from components.engine.batch.profile import (
-    RoundTimes,
-    profile_key,
-    profile_round_times,
-    stored_round_times,
-)
-from components.engine.schedule import AdaptiveDraftLength
+from tests.components.engine.adaptive.test_policy import GAMMA, run_rounds
 from tests.components.engine.test_engine_greedy import random_drafter
-from tests.components.engine.test_schedule import GAMMA, run_rounds
 
 
 def test_profile_covers_every_batch_size_and_cap(tiny_target):
@@ -113,7 +109,7 @@ def test_without_confidences_the_policy_climbs_past_the_caps_it_has_seen():
 
 
 def test_dloop_caps_are_timed_at_each_stages_ends_and_interpolated_between():
-    from components.engine.batch.profile import _fill_caps, profiled_caps
+    from components.engine.adaptive.profile import _fill_caps, profiled_caps
 
     assert profiled_caps(21, 7) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 14, 15, 21]
     assert profiled_caps(7, 7) == list(range(8)) and profiled_caps(5, 2) == [0, 1, 2, 3, 4, 5]

@@ -1,7 +1,7 @@
 """Profiled round times of the batch engine: the seconds of one whole round, drafting, the
 verify pass, acceptance and cache bookkeeping included, per batch size B and draft cap G.
 
-The adaptive draft-length policy (``engine.schedule.AdaptiveDraftLength``) needs the price of
+The adaptive draft-length policy (``policy.AdaptiveDraftLength``) needs the price of
 every (B, G) it may pick before it has played it. A curve of the target's forward time alone,
 ``T(B·(G+1))``, misses what grows with G besides the forward: the drafter's own pass, the
 per-row verification, the drafter consuming the verified states, the holes and compactions of
@@ -22,7 +22,11 @@ but the rounds' holes and compactions depend on it: on random prompts a small ta
 loops and a trained drafter follows, near real traffic there; for a target that does not loop,
 the rounds are priced as rounds that draft in vain. ``stored_round_times`` keeps a profile in
 a JSON file and reuses it for the same target, drafter, engine settings and host threads.
-Knows the batch engine's public API only.
+``profile_forward_time`` is the cheaper table the policy falls back on: the target's forward
+alone, T(n).
+
+Runs models: the batch engine through its public API (``BatchEngine``, ``Request``), the
+target's ``forward``; nothing about rules, drafter families or HTTP.
 """
 
 from __future__ import annotations
@@ -40,72 +44,58 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from components.engine.adaptive.times import RoundTimes
 from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.state import Request
+from components.engine.engine import sync_device
+from components.spec.cost import ProfileTable
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 _PROFILER_ARGS = ("context", "rounds", "seed")  # profile_round_times' own, not the engine's
 
 
-@dataclass
-class RoundTimes:
-    """Seconds of one engine round per (batch size, cap): a measured grid, interpolated.
+DEFAULT_PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-    Between profiled batch sizes the seconds are linear in B; above the largest they grow in
-    proportion to B (each row brings its own tokens); a cap above the largest profiled one is
-    held at it."""
 
-    batch_sizes: list[int]  # increasing
-    seconds: Tensor  # [len(batch_sizes), max_cap + 1] float64
-
-    def __post_init__(self) -> None:
-        self.seconds = torch.as_tensor(self.seconds, dtype=torch.float64)
-        if self.seconds.dim() != 2 or self.seconds.shape[0] != len(self.batch_sizes) or not self.batch_sizes:
-            raise ValueError(f"RoundTimes: seconds {tuple(self.seconds.shape)} does not match "
-                             f"{len(self.batch_sizes)} batch sizes")
-        if any(b <= a for a, b in zip(self.batch_sizes, self.batch_sizes[1:])) or self.batch_sizes[0] < 1:
-            raise ValueError(f"RoundTimes: batch sizes must be increasing and >= 1, got {self.batch_sizes}")
-
-    @property
-    def max_cap(self) -> int:
-        return self.seconds.shape[1] - 1
-
-    def row(self, batch_size: int, max_cap: int | None = None) -> Tensor:
-        """[max_cap + 1] float64: the seconds of every cap 0..max_cap (default: the profiled
-        ones) at ``batch_size``, interpolated in B; caps above the profile's are held at its last."""
-        sizes, b = self.batch_sizes, float(batch_size)
-        if b >= sizes[-1]:
-            row = self.seconds[-1] * (b / sizes[-1])
-        elif b <= sizes[0]:
-            row = self.seconds[0]
-        else:
-            hi = next(i for i, s in enumerate(sizes) if s >= b)
-            t = (b - sizes[hi - 1]) / (sizes[hi] - sizes[hi - 1])
-            row = self.seconds[hi - 1] + t * (self.seconds[hi] - self.seconds[hi - 1])
-        caps = torch.arange((self.max_cap if max_cap is None else int(max_cap)) + 1).clamp_max(self.max_cap)
-        return row[caps]
-
-    def __call__(self, batch_size: int, cap: int) -> float:
-        return float(self.row(batch_size)[min(max(int(cap), 0), self.max_cap)])
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"batch_sizes": list(self.batch_sizes), "seconds": self.seconds.tolist()}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RoundTimes:
-        return cls([int(b) for b in data["batch_sizes"]], torch.tensor(data["seconds"], dtype=torch.float64))
+@torch.no_grad()
+def profile_forward_time(target: Any, sizes: tuple[int, ...] = DEFAULT_PROFILE_SIZES, context: int = 64,
+                         reps: int = 5) -> ProfileTable:
+    """T(n): median seconds of one target forward over n new tokens (as ``n/16`` rows of up to
+    16 tokens) on top of a ``context``-token cache per row, made non-decreasing in n (a wider
+    pass never costs less; timing noise on a busy host would otherwise invert neighbours) by
+    taking the smallest time measured at n or above.
+    Measured on ``target`` as it is."""
+    dev, times = target.device, []
+    for n in sizes:
+        rows = max(1, n // 16) if n >= 16 else 1
+        width = -(-n // rows)
+        prefix = torch.randint(0, target.vocab_size, (rows, context), device=dev)
+        new = torch.randint(0, target.vocab_size, (rows, width), device=dev)
+        samples = []
+        for _ in range(reps + 1):
+            cache = target.forward(prefix, use_cache=True).cache
+            sync_device(dev)
+            t0 = time.perf_counter()
+            target.forward(new, cache=cache, use_cache=True)
+            sync_device(dev)
+            samples.append(time.perf_counter() - t0)
+        times.append(sorted(samples[1:])[reps // 2])
+    # T(n) = min over m ≥ n of the measured T(m): robust to a slow early (cold) measurement
+    monotone = torch.tensor(times, dtype=torch.float64).flip(0).cummin(dim=0).values.flip(0)
+    return ProfileTable(list(sizes), monotone)
 
 
 class _PinnedCap:
     """A draft-length policy whose cap the profiler sets between rounds."""
 
+    adapts = True  # asked every round, as an adaptive policy is (the rounds timed are those it plays)
     calibrate = False
 
     def __init__(self) -> None:
         self.value = 0
 
-    def empirical_survival(self, gamma: int) -> Tensor:
-        return torch.ones(gamma, dtype=torch.float64)
+    def empirical_survival(self, max_cap: int) -> Tensor:
+        return torch.ones(max_cap, dtype=torch.float64)
 
     def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int:
         return min(self.value, max_cap)
