@@ -8,13 +8,13 @@ round), chosen per round from a profile of the engine's round times and the acce
 * ``times``   -- ``RoundTimes``: the seconds of a round per (batch size, cap), interpolated;
 * ``profile`` -- ``profile_round_times``/``stored_round_times`` (measured once per host and
   setting, then read) and ``profile_forward_time`` (the target's forward alone);
-* ``setup``   -- ``adaptive_policy``: the one set-up the serve and eval stages share;
-  ``loop_stages_for``, ``OPEN_GATE``.
+* ``setup``   -- ``adaptive_engine``/``adaptive_policy``: the one set-up the serve and eval stages
+  share; ``loop_stages_for``.
 
 This package's ``__init__`` exports the first three only: ``profile`` and ``setup`` run the
 batch engine, which itself asks the policy, so they are imported by module
 (``components.engine.adaptive.setup``) or from ``components.engine``. Knows timings, acceptance
-and the engine's drafting options; nothing of configs, HTTP or drafter families.
+and the engine settings; nothing of configs, HTTP or drafter families.
 """
 
 from components.engine.adaptive.policy import (

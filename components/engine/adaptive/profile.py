@@ -25,8 +25,8 @@ a JSON file and reuses it for the same target, drafter, engine settings and host
 ``profile_forward_time`` is the cheaper table the policy falls back on: the target's forward
 alone, T(n).
 
-Runs models: the batch engine through its public API (``BatchEngine``, ``Request``), the
-target's ``forward``; nothing about rules, drafter families or HTTP.
+Runs models: the batch engine through its public API (``BatchEngine``, ``Request``) over an
+``EngineSettings``, the target's ``forward``; nothing about rules, drafter families or HTTP.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from torch import Tensor
 from components.engine.adaptive.times import RoundTimes
 from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.state import Request
-from components.engine.engine import sync_device
+from components.engine.core import sync_device
+from components.engine.settings import EngineSettings, resolve_settings
 from components.spec.cost import ProfileTable
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
-_PROFILER_ARGS = ("context", "rounds", "seed")  # profile_round_times' own, not the engine's
 
 
 DEFAULT_PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -127,20 +127,22 @@ def _fill_caps(measured: dict[int, float], max_cap: int) -> list[float]:
 
 @torch.no_grad()
 def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                        context: int = 64, rounds: int = 4, seed: int = 0, **engine_kwargs: Any) -> RoundTimes:
+                        settings: EngineSettings | None = None, context: int = 64, rounds: int = 4,
+                        seed: int = 0) -> RoundTimes:
     """Median seconds of ``rounds`` engine rounds (after one warm-up) for every batch size in
     ``batch_sizes`` and every cap 0..γ·stages of ``drafter`` (past γ: ``profiled_caps``, the rest
-    interpolated); ``engine_kwargs`` configure the ``BatchEngine`` as it will serve (DLoop
-    stages, carryover, ...)."""
+    interpolated), the ``BatchEngine`` drafting by ``settings`` as it will serve (DLoop stages,
+    carryover, ...; default: ``resolve_settings(drafter)``)."""
     if drafter is None:
         raise ValueError("profile_round_times needs a drafter: without one every round is plain")
+    settings = settings or resolve_settings(drafter)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for bsz in sorted({int(b) for b in batch_sizes}):
         pinned = _PinnedCap()
-        engine = BatchEngine(target, drafter, max_batch_size=bsz, draft_length=pinned, **engine_kwargs)
-        caps = profiled_caps(engine.max_cap, engine.num_speculative_tokens)
-        budget = len(caps) * (rounds + 1) * (engine.max_cap + 1) + 2  # no request ends early
+        engine = BatchEngine(target, drafter, max_batch_size=bsz, draft_length=pinned, settings=settings)
+        caps = profiled_caps(settings.max_cap, settings.num_speculative_tokens)
+        budget = len(caps) * (rounds + 1) * (settings.max_cap + 1) + 2  # no request ends early
         for _ in range(bsz):
             prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
             engine.add(Request(prompt, budget))
@@ -153,7 +155,7 @@ def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = 
                 engine.step()
                 if rep:  # the first pass warms every width up
                     samples[i].append(time.perf_counter() - t0)
-        row = _fill_caps({cap: statistics.median(x) for cap, x in zip(caps, samples)}, engine.max_cap)
+        row = _fill_caps({cap: statistics.median(x) for cap, x in zip(caps, samples)}, settings.max_cap)
         for request_id in engine.running:
             engine.cancel(request_id)
         engine.step()
@@ -164,17 +166,16 @@ def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = 
     return RoundTimes(sorted({int(b) for b in batch_sizes}), seconds)
 
 
-def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], settings: EngineSettings,
+                context: int = 64, rounds: int = 4, seed: int = 0) -> dict[str, Any]:
     """What a stored profile was measured for: target, drafter (its declared ``identity()`` and
-    the engine's largest cap), batch sizes, engine settings (as given, and the KV cache kind),
-    device, dtype and threads. A profile is only reused for an equal key."""
-    engine = BatchEngine(target, drafter, **{k: v for k, v in engine_kwargs.items() if k not in _PROFILER_ARGS})
+    the largest cap), batch sizes, engine settings, how it was timed, device, dtype and threads.
+    A profile is only reused for an equal key."""
     return {"target": str(getattr(target, "name_or_path", type(target).__name__)),
-            "drafter": f"{drafter.identity()}:{engine.max_cap}",
+            "drafter": f"{drafter.identity()}:{settings.max_cap}",
             "batch_sizes": sorted({int(b) for b in batch_sizes}),
-            "engine": {k: repr(v) for k, v in sorted(engine_kwargs.items())},
-            "kv_cache": "preallocated" if engine.preallocate else "dynamic", "device": str(target.device),
-            "dtype": str(target.dtype), "threads": torch.get_num_threads()}
+            "engine": settings.describe(), "timing": {"context": context, "rounds": rounds, "seed": seed},
+            "device": str(target.device), "dtype": str(target.dtype), "threads": torch.get_num_threads()}
 
 
 @dataclass
@@ -191,13 +192,15 @@ class StoredProfile:
 
 def stored_round_times(profile_dir: str | Path, target: Any, drafter: Any,
                        batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                       notice: Callable[[Path], None] | None = None, **engine_kwargs: Any) -> StoredProfile:
+                       notice: Callable[[Path], None] | None = None, settings: EngineSettings | None = None,
+                       context: int = 64, rounds: int = 4, seed: int = 0) -> StoredProfile:
     """The profile of this setting kept under ``profile_dir``, one file per ``profile_key`` (a
     serving replica, the eval stage and the benches share them): read when its key matches,
     else measured by ``profile_round_times`` (``notice(path)`` called first: it takes a while)
     and written there (to a temporary file, then renamed), so it is measured once per machine
     and setting."""
-    key = profile_key(target, drafter, batch_sizes, engine_kwargs)
+    settings = settings or resolve_settings(drafter)
+    key = profile_key(target, drafter, batch_sizes, settings, context, rounds, seed)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(profile_dir).expanduser() / f"round-profile-{digest}.json"
     if path.is_file():
@@ -210,7 +213,7 @@ def stored_round_times(profile_dir: str | Path, target: Any, drafter: Any,
             return StoredProfile(stored, path, True)
     if notice is not None:
         notice(path)
-    times = profile_round_times(target, drafter, batch_sizes, **engine_kwargs)
+    times = profile_round_times(target, drafter, batch_sizes, settings, context, rounds, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"key": key, **times.to_dict()}, indent=1))

@@ -7,13 +7,14 @@
 * ``admit``      -- ``Admission``: waiting requests prefilled together in one padded pass;
 * ``draft``      -- ``Drafting``: the round's draft cap, every row's drafts (batched where the
   drafter declares it), the drafter's updates after verification (deferred on plain rounds);
-* ``tree_round`` -- ``TreeRounds``: a lone greedy/Gumbel row drafts a token tree instead of a chain;
+* ``tree_round`` -- ``TreeRounds``: a lone row whose rule allows it drafts a token tree instead
+  of a chain;
 * ``stats``      -- ``EngineStats``: engine-wide counters for dashboards and benchmarks;
 * ``stream``     -- ``AsyncEngine``: requests in, async token streams out (one engine thread).
 
-Knows the batch-1 engine's steps (``engine.engine``), the rules, the KV caches and the
-draft-length policy's interface (``engine.adaptive``); nothing about tokenization, HTTP or
-drafter families.
+Knows the chain and tree rounds' steps (``engine.chain``, ``engine.tree``), the settings, the
+rules, the KV caches and the draft-length policy's interface (``engine.adaptive``); nothing
+about tokenization, HTTP or drafter families.
 """
 
 from components.engine.batch.continuous import BatchEngine

@@ -8,15 +8,16 @@ batch is draining); a policy that does not adapt (``FixedDraftLength``) leaves i
 A drafter declaring ``Capability.BATCHED_PROPOSE`` (block drafters; EAGLE-3, MTP: one pass per
 draft step) drafts the rows that draft in one stage together, in padded, masked drafter
 passes; each row's readout then draws from that row's own sampling parameters and generator,
-exactly as ``SpeculativeEngine.draft`` would for the row alone (so sampled output does not
-depend on the rest of the batch). Rows whose cap this round needs more than one DLoop stage,
-and drafters without it, propose one by one. Likewise ``Capability.BATCHED_CONSUME`` turns the per-row ``consume`` calls
-into one ``consume_many`` (``consume_rows``). Either way the output is the same.
+exactly as ``chain.draft_chain`` would for the row alone (so sampled output does not depend on
+the rest of the batch). Rows whose cap this round needs more than one DLoop stage, and
+drafters without it, draft one by one (``chain.draft_chain``, by the row's own rule). Likewise
+``Capability.BATCHED_CONSUME`` turns the per-row ``consume`` calls into one ``consume_many``
+(``consume_rows``). Either way the output is the same.
 
 A speculating row's plain round (cap 0) only records its token and hidden state (``pending``);
 the drafter consumes them when the row drafts again (``flush``), so cap-0 rounds cost what
-plain decoding costs. Knows the drafter's engine protocol and the draft-length policy; nothing
-about verification or the target cache.
+plain decoding costs. Knows the drafter's engine protocol, the chain's drafting step and the
+draft-length policy; nothing about verification or the target cache.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ from components.drafters.capabilities import Capability, has
 from components.engine.adaptive.policy import DraftLengthPolicy
 from components.engine.adaptive.rows import round_cap
 from components.engine.batch.state import Row
-from components.engine.engine import SpeculativeEngine, sync_device
+from components.engine.chain import draft_chain, num_drafts_for
+from components.engine.core import sync_device
+from components.engine.settings import EngineSettings
+
+CAPS_KEPT = 4096  # caps a long-running engine remembers (for dashboards and benchmarks)
 
 
 def consume_rows(drafter: Any, states: list[Any], tokens: list[Tensor], hidden: list[Tensor | None]) -> list[Any]:
@@ -43,17 +48,11 @@ def consume_rows(drafter: Any, states: list[Any], tokens: list[Tensor], hidden: 
     return [drafter.consume(s, t, h) for s, t, h in zip(states, tokens, hidden)]
 
 
-CAPS_KEPT = 4096  # caps a long-running engine remembers (for dashboards and benchmarks)
-
-
 class Drafting:
     """Caps, drafts and drafter updates of the batch's rows, for ``BatchEngine``."""
 
-    def __init__(self, drafter: Any, engines: dict[str, SpeculativeEngine], policy: DraftLengthPolicy,
-                 max_cap: int):
-        """``engines``: a chain engine per rule (drafting as the rule picks its tokens)."""
-        self.drafter, self.engines, self.policy = drafter, engines, policy
-        self.max_cap = max_cap
+    def __init__(self, drafter: Any, settings: EngineSettings, policy: DraftLengthPolicy):
+        self.drafter, self.settings, self.policy = drafter, settings, policy
         self.batched = drafter is not None and has(drafter, Capability.BATCHED_PROPOSE)
         self.caps: deque[int] = deque(maxlen=CAPS_KEPT)  # the cap chosen each of the last rounds
         self.capped_rounds = 0  # rounds that chose a cap, since the engine started
@@ -65,22 +64,21 @@ class Drafting:
         ``draining``: no request waits to join."""
         for row in rows:  # last round's outcome, for the rows' own records
             if row.drafts is not None and row.result.accepted:
-                row.estimate.settle(row.drafts.shape[1], row.result.accepted[-1])
+                row.estimate.settle(row.num_drafts, row.result.accepted[-1])
         cap = self._cap(rows, draining)
         spent = self.flush([r for r in rows if r.pending and cap and r.speculates])
         together: list[tuple[Row, int]] = []
         for row in rows:
-            row.carried = row.seq.carry_rows
-            # as SpeculativeEngine.round: at least one draft, overshoot cut (same randomness use)
-            gamma = max(1, min(cap, row.remaining - 1)) if row.speculates and cap else 0
+            # as the batch-1 round: at least one draft, overshoot cut (same randomness use)
+            num_drafts = num_drafts_for(cap, row.remaining) if row.speculates and cap else 0
             row.proposal, row.drafts = None, None
-            if gamma == 0:
+            if num_drafts == 0:
                 continue
-            if self.batched and gamma <= self.engines[row.request.rule].num_speculative_tokens:  # one stage
-                together.append((row, gamma))
+            if self.batched and num_drafts <= self.settings.num_speculative_tokens:  # one stage
+                together.append((row, num_drafts))
                 continue
             t0 = time.perf_counter()
-            row.proposal, row.drafts = self.engines[row.request.rule].draft(row.seq, gamma, row.rnd)
+            row.proposal, row.drafts = draft_chain(self.drafter, self.settings, row.rule, row.seq, num_drafts, row.rnd)
             sync_device(row.drafts.device)
             row.result.draft_seconds += time.perf_counter() - t0
             spent += time.perf_counter() - t0
@@ -90,16 +88,16 @@ class Drafting:
         return spent
 
     def _draft_together(self, rows: list[tuple[Row, int]]) -> float:
-        """Drafts of ``rows`` (row, γ) in one ``propose_many`` call, each of its own γ, picked by
-        its own rule with its own randomness."""
+        """Drafts of ``rows`` (row, num_drafts) in one ``propose_many`` call, each of its own
+        length, picked by its own rule with its own randomness."""
         if not rows:
             return 0.0
         t0 = time.perf_counter()
         last = torch.cat([row.seq.last_token for row, _ in rows])  # [R]
-        samplings = [self.engines[row.request.rule].rule.draft_sampling(row.rnd) for row, _ in rows]
+        samplings = [row.rule.draft_sampling(row.rnd) for row, _ in rows]
         props = self.drafter.propose_many([row.seq.draft_state for row, _ in rows], last, samplings,
                                           [g for _, g in rows], generators=[row.rnd.generator for row, _ in rows])
-        for (row, g), prop in zip(rows, props):  # each proposal already cut to its row's γ
+        for (row, g), prop in zip(rows, props):  # each proposal already cut to its row's length
             positions = torch.arange(row.seq.length, row.seq.length + g, device=last.device)[None, :]
             row.proposal, row.drafts = prop, row.rule.pick_drafts(prop, positions, row.rnd)
         sync_device(last.device)
@@ -107,6 +105,21 @@ class Drafting:
         for row, _ in rows:
             row.result.draft_seconds += seconds / len(rows)
         return seconds
+
+    def _cap(self, rows: list[Row], draining: bool) -> int:
+        """This round's draft cap from the policy, over the rows that speculate."""
+        rows = [r for r in rows if r.speculates]
+        max_cap = self.settings.max_cap
+        if not rows or max_cap == 0:
+            return 0
+        if not self.policy.adapts:
+            return max_cap
+        # draining: the batch's time is that of its last row
+        cap = round_cap(self.policy, [r.estimate for r in rows], max_cap,
+                        [r.remaining for r in rows] if draining else None)
+        self.caps.append(cap)
+        self.capped_rounds += 1
+        return cap
 
     # ------------------------------------------------------------------ drafter updates
     def flush(self, rows: list[Row]) -> float:
@@ -145,18 +158,3 @@ class Drafting:
         for b, new in zip(idx, news):
             states[b] = new
         return states
-
-    # ------------------------------------------------------------------ the cap
-    def _cap(self, rows: list[Row], draining: bool) -> int:
-        """This round's draft cap from the policy, over the rows that speculate."""
-        rows = [r for r in rows if r.speculates]
-        if not rows or self.max_cap == 0:
-            return 0
-        if not self.policy.adapts:
-            return self.max_cap
-        # draining: the batch's time is that of its last row
-        cap = round_cap(self.policy, [r.estimate for r in rows], self.max_cap,
-                        [r.remaining for r in rows] if draining else None)
-        self.caps.append(cap)
-        self.capped_rounds += 1
-        return cap

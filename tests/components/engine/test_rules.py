@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from components.drafters.base import Proposal
-from components.engine.engine import new_randomness
+from components.engine.core import new_randomness
 from components.engine.rules import RULES, get_rule
 from components.ruleset import RULE_USES, RuleUse
 from components.spec.sampling import SamplingParams
