@@ -44,11 +44,14 @@ class EngineSettings:
         return {f.name: repr(getattr(self, f.name)) for f in fields(self)}
 
 
-def resolve_settings(drafter: Any, num_speculative_tokens: int | None = None, loop_stages: int = 1,
-                     loop_gate: float = DEFAULT_LOOP_GATE, carryover: bool = False, preallocate: bool = True,
-                     tree_budget: int = 0, tree_builder: str = "ddtree", tree_top_m: int = 8) -> EngineSettings:
-    """The settings for ``drafter`` (None: plain decoding), γ defaulting to the drafter's own;
-    raises ValueError (or ``CapabilityError``) for a combination the drafter cannot serve."""
+def resolve_settings(drafter: Any, num_speculative_tokens: int | None = None,
+                     loop_stages: int = EngineSettings.loop_stages, loop_gate: float = EngineSettings.loop_gate,
+                     carryover: bool = EngineSettings.carryover, preallocate: bool = EngineSettings.preallocate,
+                     tree_budget: int = EngineSettings.tree_budget, tree_builder: str = EngineSettings.tree_builder,
+                     tree_top_m: int = EngineSettings.tree_top_m) -> EngineSettings:
+    """The settings for ``drafter`` (None: plain decoding), γ defaulting to the drafter's own and
+    every other option to ``EngineSettings``'s; raises ValueError (or ``CapabilityError``) for a
+    combination the drafter cannot serve."""
     if drafter is None:
         if tree_budget > 0:
             raise ValueError("tree_budget: token trees need a drafter")

@@ -37,7 +37,7 @@ from components.engine.core import (
     sync_device,
 )
 from components.engine.rules import RoundRandomness, Rule, get_rule
-from components.engine.settings import DEFAULT_LOOP_GATE, EngineSettings, resolve_settings
+from components.engine.settings import EngineSettings, resolve_settings
 from components.spec.sampling import SamplingParams
 
 RoundStep = Callable[[Any, EngineDrafter, EngineSettings, Rule, SequenceState, int, RoundRandomness, GenerationResult],
@@ -48,9 +48,9 @@ class SpeculativeEngine:
     """Draft-verify rounds of ``drafter`` against ``target`` under one acceptance rule, chains."""
 
     def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy",
-                 num_speculative_tokens: int | None = None, loop_stages: int = 1,
-                 loop_gate: float = DEFAULT_LOOP_GATE, carryover: bool = False, preallocate: bool = True,
-                 settings: EngineSettings | None = None):
+                 num_speculative_tokens: int | None = None, loop_stages: int = EngineSettings.loop_stages,
+                 loop_gate: float = EngineSettings.loop_gate, carryover: bool = EngineSettings.carryover,
+                 preallocate: bool = EngineSettings.preallocate, settings: EngineSettings | None = None):
         """``settings``: resolved already (``settings.resolve_settings``); else resolved here from
         the drafting options: ``loop_stages`` > 1 turns on DLoop multi-stage drafting (another
         block while the drafted tokens' summed log-probability is ≥ ``loop_gate``),

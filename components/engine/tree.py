@@ -58,8 +58,8 @@ class TreeEngine:
     chain engine's (``chain.prefill``)."""
 
     def __init__(self, target: Any, drafter: EngineDrafter, rule: str = "greedy", num_speculative_tokens: int | None = None,
-                 budget: int = 16, builder: str = "ddtree", top_m: int = 8, preallocate: bool = True,
-                 settings: EngineSettings | None = None):
+                 budget: int = 16, builder: str = EngineSettings.tree_builder, top_m: int = EngineSettings.tree_top_m,
+                 preallocate: bool = EngineSettings.preallocate, settings: EngineSettings | None = None):
         """``builder``: ``ddtree`` (per-depth marginals) or ``causal`` (DominoTree: children scored
         on their own path by the drafter's ``causal_tree_head``, among the top-``top_m`` tokens).
         ``settings``: resolved already (its tree budget ≥ 1); else resolved here."""

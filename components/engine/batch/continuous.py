@@ -50,17 +50,18 @@ from components.engine.batch.tree_round import TreeRounds
 from components.engine.chain import commit_round
 from components.engine.core import EngineDrafter, GenerationResult, sync_device
 from components.engine.rules import Rule
-from components.engine.settings import DEFAULT_LOOP_GATE, EngineSettings, resolve_settings
+from components.engine.settings import EngineSettings, resolve_settings
 
 
 class BatchEngine:
     """Continuous-batching speculative decoding of ``drafter`` (or plain decoding) on ``target``."""
 
     def __init__(self, target: Any, drafter: EngineDrafter | None = None, num_speculative_tokens: int | None = None,
-                 loop_stages: int = 1, loop_gate: float = DEFAULT_LOOP_GATE, carryover: bool = False,
-                 max_batch_size: int = 16, compact_at: float = 0.5,
-                 draft_length: DraftLengthPolicy | None = None, preallocate: bool = True,
-                 tree_budget: int = 0, tree_builder: str = "ddtree", settings: EngineSettings | None = None):
+                 loop_stages: int = EngineSettings.loop_stages, loop_gate: float = EngineSettings.loop_gate,
+                 carryover: bool = EngineSettings.carryover, max_batch_size: int = 16, compact_at: float = 0.5,
+                 draft_length: DraftLengthPolicy | None = None, preallocate: bool = EngineSettings.preallocate,
+                 tree_budget: int = EngineSettings.tree_budget, tree_builder: str = EngineSettings.tree_builder,
+                 settings: EngineSettings | None = None):
         """``drafter=None``: every request decodes plainly. ``settings``: the drafting settings,
         resolved already (``settings.resolve_settings``); else resolved here from γ, DLoop,
         carryover, ``preallocate`` (the batch's KV cache grows in place in a buffer with
