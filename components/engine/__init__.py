@@ -30,7 +30,12 @@ from components.engine.adaptive.profile import (
     profile_round_times,
     stored_round_times,
 )
-from components.engine.adaptive.setup import adaptive_engine, adaptive_policy, loop_stages_for
+from components.engine.adaptive.setup import (
+    adaptive_engine,
+    adaptive_policy,
+    loop_gate_for,
+    loop_stages_for,
+)
 from components.engine.batch import AsyncEngine, BatchEngine, EngineError, Request, StepOutput
 from components.engine.core import GenerationResult
 from components.engine.model_free import OracleDrafter, PromptLookupDrafter, TargetDrafter
@@ -66,6 +71,7 @@ __all__ = [
     "TreeEngine",
     "adaptive_engine",
     "adaptive_policy",
+    "loop_gate_for",
     "loop_stages_for",
     "profile_round_times",
     "resolve_settings",

@@ -32,11 +32,10 @@ from components.config import ConfigError, ServeConfig, TargetConfig
 from components.drafters import DrafterError, load_drafter
 from components.drafters.capabilities import Capability, has
 from components.engine import (
-    DEFAULT_LOOP_GATE,
-    OPEN_GATE,
     BatchEngine,
     EngineSettings,
     adaptive_engine,
+    loop_gate_for,
     loop_stages_for,
     resolve_settings,
 )
@@ -85,15 +84,6 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
 DEFAULT_LOOP_STAGES = 3  # serve.loop_stages unset, for a drafter that can loop
 
 
-def loop_gate(sc: ServeConfig) -> float:
-    """The engine's DLoop gate: ``serve.loop_gate``; when null, open (-inf) under the adaptive
-    cap, whose choice of G ≤ γ·stages then decides how many stages a round drafts, and the
-    engine's own default with a fixed cap (which would otherwise draft every stage always)."""
-    if sc.loop_gate is not None:
-        return float(sc.loop_gate)
-    return OPEN_GATE if sc.adaptive else DEFAULT_LOOP_GATE
-
-
 def adapt(parts: EngineParts, sc: ServeConfig) -> None:
     """The adaptive cap (``serve.adaptive`` with a drafter): the round profile stored for this
     setting, else measured and stored, and ``parts.engine`` rebuilt with it. Nothing otherwise."""
@@ -110,8 +100,9 @@ def adapt(parts: EngineParts, sc: ServeConfig) -> None:
 def _settings(sc: ServeConfig, guarded: GuardedDrafter | None, stages: int, carryover: bool) -> EngineSettings:
     """The engine's drafting settings, resolved once for the served drafter."""
     try:
-        return resolve_settings(guarded, sc.num_speculative_tokens, stages, loop_gate(sc), carryover,
-                                tree_budget=sc.tree_budget if guarded is not None else 0, tree_builder=sc.tree_builder)
+        return resolve_settings(guarded, sc.num_speculative_tokens, stages, loop_gate_for(sc.loop_gate, sc.adaptive),
+                                carryover, tree_budget=sc.tree_budget if guarded is not None else 0,
+                                tree_builder=sc.tree_builder)
     except (ValueError, DrafterError) as err:  # a capability the drafter lacks, a bad tree builder
         raise ConfigError(f"serve: cannot build the engine: {err}") from None
 

@@ -5,8 +5,9 @@ The serve stage's replicas and the eval stage's ``drafter_adaptive`` method both
 round profile stored for the settings (``profile.stored_round_times``: measured once per host,
 then read) at the batch sizes the engine will see (``profile_batch_sizes``). Under the adaptive
 cap the DLoop gate is usually left open (``settings.OPEN_GATE``), so that the cap the policy
-picks, 0..γ·stages, decides how many stages a round drafts (a cap of 0 is a plain round);
-``loop_stages_for`` gives DLoop stages to the drafters that can draft on their own states.
+picks, 0..γ·stages, decides how many stages a round drafts (a cap of 0 is a plain round:
+``loop_gate_for``); ``loop_stages_for`` gives DLoop stages to the drafters that can draft on
+their own states.
 
 Knows the drafter capabilities, the engine settings, the profile store and the policy; nothing
 of configs, HTTP or evaluation.
@@ -22,7 +23,7 @@ from components.drafters.capabilities import Capability, has
 from components.engine.adaptive.policy import AdaptiveDraftLength
 from components.engine.adaptive.profile import StoredProfile, stored_round_times
 from components.engine.batch.continuous import BatchEngine
-from components.engine.settings import EngineSettings
+from components.engine.settings import DEFAULT_LOOP_GATE, OPEN_GATE, EngineSettings
 
 PROFILE_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # profiled below the engine's own largest batch
 
@@ -31,6 +32,15 @@ def loop_stages_for(drafter: Any, stages: int) -> int:
     """``stages`` DLoop stages for a drafter that drafts on its own states
     (``Capability.OWN_CONTEXT``: block drafters), 1 for any other (or none)."""
     return int(stages) if drafter is not None and has(drafter, Capability.OWN_CONTEXT) else 1
+
+
+def loop_gate_for(gate: float | None, adaptive: bool) -> float:
+    """The DLoop gate: ``gate`` when set; else open (``OPEN_GATE``) under the adaptive cap, whose
+    choice of G ≤ γ·stages then decides how many stages a round drafts, and the engines' default
+    with a fixed cap (which would otherwise draft every stage always)."""
+    if gate is not None:
+        return float(gate)
+    return OPEN_GATE if adaptive else DEFAULT_LOOP_GATE
 
 
 def profile_batch_sizes(max_batch_size: int) -> list[int]:
