@@ -43,6 +43,7 @@ from components.engine.rules import RULES
 from components.engine.settings import (
     DEFAULT_LOOP_GATE,
     OPEN_GATE,
+    TREE_BUILDERS,
     EngineSettings,
     resolve_settings,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "DEFAULT_LOOP_GATE",
     "OPEN_GATE",
     "RULES",
+    "TREE_BUILDERS",
     "AdaptiveDraftLength",
     "AsyncEngine",
     "BatchEngine",

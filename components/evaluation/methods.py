@@ -38,6 +38,7 @@ from components.drafters.capabilities import Capability, CapabilityError, requir
 from components.engine import (
     OPEN_GATE,
     RULES,
+    TREE_BUILDERS,
     GenerationResult,
     PromptLookupDrafter,
     Request,
@@ -140,7 +141,7 @@ def drafter_tree(ctx: EvalContext) -> MethodFn:
     ev = ctx.ev
     if ev.rule not in rules_where(trees=True):
         raise ConfigError(f"eval.rule: drafter_tree verifies trees under {rules_where(trees=True)}, not '{ev.rule}'")
-    if ev.tree_builder not in ("ddtree", "causal") or ev.tree_budget < 1:
+    if ev.tree_builder not in TREE_BUILDERS or ev.tree_budget < 1:
         raise ConfigError(f"eval.tree_builder/tree_budget: '{ev.tree_builder}'/{ev.tree_budget}; the builder is "
                           "ddtree or causal, the budget at least 1 node")
     trained = _trained(ctx, "drafter_tree")
