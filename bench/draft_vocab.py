@@ -37,7 +37,7 @@ import components.drafters  # noqa: F401  (registers every family)
 from components.config import DrafterConfig, TargetConfig, TinyTargetConfig
 from components.drafters.quantize import int8_lm_head
 from components.drafters.registry import build_drafter
-from components.engine.engine import crop_cache
+from components.engine.core import crop_cache
 from components.spec.sampling import GREEDY
 from components.target import load_target
 from components.target.tiny import tiny_target_dir

@@ -14,7 +14,7 @@ speculative ones do not). Methods, measured back to back in the same run:
 * ``<drafter> fixed``   -- speculation with the drafter's γ every round;
 * ``<drafter> adaptive``-- the cap chosen per round from survival estimates and the engine's
   round times per (batch size, cap), profiled on this machine at start for that drafter
-  (``components.engine.batch.profile``; ``--profile-dir DIR`` keeps the profiles and reuses them;
+  (``components.engine.adaptive.profile``; ``--profile-dir DIR`` keeps the profiles and reuses them;
   ``--forward-profile``: the older target-forward curve T(n) instead); 0 = plain round;
 * ``prompt_lookup fixed/adaptive`` -- the model-free n-gram drafter, likewise;
 * ``<drafter> tree``     -- with ``--tree-budget N``: fixed γ, and a token tree of N nodes
@@ -48,9 +48,13 @@ from components.drafters.base import Drafter
 from components.drafters.checkpoint import load_drafter
 from components.drafters.quantize import int8_lm_head
 from components.engine import PromptLookupDrafter
+from components.engine.adaptive.policy import AdaptiveDraftLength
+from components.engine.adaptive.profile import (
+    profile_forward_time,
+    profile_round_times,
+    stored_round_times,
+)
 from components.engine.batch import BatchEngine, Request
-from components.engine.batch.profile import profile_round_times, stored_round_times
-from components.engine.schedule import AdaptiveDraftLength, profile_forward_time
 from components.evaluation.prompts import eval_prompts
 from components.target import load_target
 from components.target.hf import resolve_target_path

@@ -23,7 +23,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.engine.schedule import AdaptiveDraftLength
+from components.engine.adaptive.policy import AdaptiveDraftLength
 from components.spec.cost import ProfileTable
 from components.spec.gumbel import gumbel_noise
 from components.spec.tree_verify import verify_tree_greedy, verify_tree_sampling

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from components.paths import MODEL, SOURCE, UNRESOLVED, URI, make_absolute, path_field
+from components.ruleset import rules_where
 
 # omegaconf and yaml are imported where configs are loaded (components/confload.py), so the
 # dataclasses (what components import) need neither: e.g. a bare torch+transformers GPU box runs the benches
@@ -356,8 +357,8 @@ class ServeConfig:
             problems.append(f"drafter must be auto or none (got {self.drafter!r}); a path goes in drafter_path")
         if self.overload_status not in (429, 503):
             problems.append(f"overload_status must be 429 or 503 (got {self.overload_status})")
-        if self.sampled_rule not in ("gumbel", "speculative", "block"):
-            problems.append(f"sampled_rule must be gumbel, speculative or block (got {self.sampled_rule!r})")
+        if self.sampled_rule not in rules_where(samples=True):
+            problems.append(f"sampled_rule must be one of {rules_where(samples=True)} (got {self.sampled_rule!r})")
         if self.tree_builder not in ("ddtree", "causal"):
             problems.append(f"tree_builder must be ddtree or causal (got {self.tree_builder!r})")
         if self.autoscaling and not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:

@@ -11,14 +11,18 @@ depend on how the sequence was cut into rounds.
   (``verify_gumbel``). The output is a function of (target, seed) only;
 * ``speculative`` -- target samples from its processed distribution; drafts sampled by the
   drafter; token-wise speculative sampling (``verify_speculative``);
-* ``block``       -- as ``speculative`` with block verification (``verify_block``).
+* ``block``       -- as ``speculative`` with block verification (``verify_block``); chains only.
+
+Each rule declares where it may be used (``samples``, ``trees``, ``batched_trees``: the table
+``components.ruleset.RULE_USES`` says the same for the config, a test holds them equal) and
+verifies a token tree itself (``verify_tree``) when it can.
 
 Gumbel caveat: the drafter protocol has no noise argument, so an autoregressive drafter's slot k
 logits were conditioned on its *own* slot k-1 choice, which may differ from the re-picked token.
 That only lowers acceptance; the output is unchanged (exact matching against the target).
 
 This module knows nothing about models, caches or drafters' internals: logits and proposals in,
-tokens and ``VerifyResult`` out. It never loops over the vocabulary.
+tokens and ``VerifyResult``/``TreeVerifyResult`` out. It never loops over the vocabulary.
 """
 
 from __future__ import annotations
@@ -35,6 +39,13 @@ from components.spec.sampling import (
     SamplingParams,
     log_probs_from_logits,
     probs_from_logits,
+)
+from components.spec.tree_verify import (
+    TreeVerifyResult,
+    tree_noise_positions,
+    verify_tree_greedy,
+    verify_tree_gumbel,
+    verify_tree_sampling,
 )
 from components.spec.verify import (
     VerifyResult,
@@ -59,6 +70,9 @@ class Rule:
 
     name = ""
     verifies_rows = False  # True: ``verify_rows`` takes many requests at once
+    samples = True  # draws from the target's distribution (temperature > 0)
+    trees = False  # True: ``verify_tree`` verifies a token tree
+    batched_trees = False  # True: in a tree the output does not depend on the drafts (a lone batch row may use one)
 
     def draft_sampling(self, rnd: RoundRandomness) -> SamplingParams:
         """The settings the drafter proposes with."""
@@ -86,10 +100,19 @@ class Rule:
         the accepted prefix. Other rules verify each request alone (``verify``, ``sample_target``)."""
         raise NotImplementedError(f"rule '{self.name}' verifies one request at a time")
 
+    def verify_tree(self, tokens: Tensor, parents: Tensor, depths: Tensor, logits: Tensor, length: int,
+                    rnd: RoundRandomness) -> TreeVerifyResult:
+        """One request's tree (rules with ``trees``): tokens, parents, depths [1, N] (depth 1 = a
+        child of x_{n-1}), target logits per slot [1, N+1, V], ``length`` = n committed tokens
+        → the accepted path and the next token (``spec.tree_verify``)."""
+        raise NotImplementedError(f"rule '{self.name}' verifies chains only")
+
 
 class GreedyRule(Rule):
     name = "greedy"
     verifies_rows = True
+    samples = False
+    trees = batched_trees = True
 
     def draft_sampling(self, rnd: RoundRandomness) -> SamplingParams:
         return GREEDY
@@ -104,9 +127,14 @@ class GreedyRule(Rule):
     def verify_rows(self, drafts: Tensor, draft_lens: Tensor, logits: Tensor) -> VerifyResult:
         return verify_greedy(drafts, draft_lens, logits)
 
+    def verify_tree(self, tokens: Tensor, parents: Tensor, depths: Tensor, logits: Tensor, length: int,
+                    rnd: RoundRandomness) -> TreeVerifyResult:
+        return verify_tree_greedy(tokens, parents, logits)
+
 
 class GumbelRule(Rule):
     name = "gumbel"
+    trees = batched_trees = True
 
     @staticmethod
     def noise(positions: Tensor, vocab_size: int, rnd: RoundRandomness) -> Tensor:  # [B, L, V]
@@ -125,14 +153,27 @@ class GumbelRule(Rule):
         noise = self.noise(positions, logits.shape[-1], rnd)
         return verify_gumbel(drafts, _full_lens(drafts), log_probs_from_logits(logits, rnd.sampling), noise)
 
+    def verify_tree(self, tokens: Tensor, parents: Tensor, depths: Tensor, logits: Tensor, length: int,
+                    rnd: RoundRandomness) -> TreeVerifyResult:
+        positions = tree_noise_positions(torch.tensor([length], device=logits.device), depths)
+        noise = self.noise(positions, logits.shape[-1], rnd)
+        return verify_tree_gumbel(tokens, parents, log_probs_from_logits(logits, rnd.sampling), noise)
+
 
 class SpeculativeRule(Rule):
     name = "speculative"
+    trees = True
 
     def verify(self, drafts: Tensor, logits: Tensor, proposal: Proposal, positions: Tensor,
                rnd: RoundRandomness) -> VerifyResult:
         p = probs_from_logits(logits, rnd.sampling)
         return verify_speculative(drafts, _full_lens(drafts), p, proposal.probs.to(p.dtype), rnd.generator)
+
+    def verify_tree(self, tokens: Tensor, parents: Tensor, depths: Tensor, logits: Tensor, length: int,
+                    rnd: RoundRandomness) -> TreeVerifyResult:
+        """A deterministic tree: the target-sample walk (lossless; its output depends on the tree)."""
+        return verify_tree_sampling(tokens, parents, probs_from_logits(logits, rnd.sampling), None,
+                                    generator=rnd.generator)
 
 
 class BlockRule(Rule):

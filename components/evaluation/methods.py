@@ -38,21 +38,22 @@ from components.drafters.capabilities import Capability, CapabilityError, requir
 from components.engine import (
     OPEN_GATE,
     RULES,
-    BatchEngine,
+    TREE_BUILDERS,
     GenerationResult,
     PromptLookupDrafter,
     Request,
     SpeculativeEngine,
     TreeEngine,
-    adaptive_policy,
+    adaptive_engine,
     loop_stages_for,
+    resolve_settings,
     target_only_generate,
 )
-from components.engine.tree import TREE_RULES
 from components.evaluation.context import EvalContext, Method, MethodFn, Peer
 from components.evaluation.hf import hf_generate
 from components.evaluation.metrics import PromptRun
 from components.evaluation.vllm_peers import VLLM_METHODS, VLLM_REFERENCE, vllm_python
+from components.ruleset import rules_where
 
 REFERENCE = "target_only"
 PEER_BASELINES: dict[Peer, str] = {"hf": "hf_generate", "vllm": VLLM_REFERENCE}  # peer → its plain decoding
@@ -73,7 +74,7 @@ def target_only(ctx: EvalContext) -> MethodFn:
 
 def _engine_method(ctx: EvalContext, name: str, drafter: Any, gamma: int | None, **loop: Any) -> MethodFn:
     engine = SpeculativeEngine(ctx.target, drafter, rule=ctx.ev.rule, num_speculative_tokens=gamma, **loop)
-    ctx.notes[name] = {"num_speculative_tokens": engine.num_speculative_tokens, "rule": ctx.ev.rule, **loop}
+    ctx.notes[name] = {"num_speculative_tokens": engine.settings.num_speculative_tokens, "rule": ctx.ev.rule, **loop}
 
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
         return _from_engine(name, engine.generate(ids, n, ctx.sampling, seed), drafting=True)
@@ -118,12 +119,10 @@ def drafter_adaptive(ctx: EvalContext) -> MethodFn:
     over the prompts in turn, as a server's does over its requests."""
     ev, trained = ctx.ev, _trained(ctx, "drafter_adaptive")
     stages = loop_stages_for(trained, ev.loop_stages)
-    kwargs = {"num_speculative_tokens": ev.num_speculative_tokens, "loop_stages": stages,
-              "loop_gate": OPEN_GATE, "carryover": ev.carryover}
-    policy, stored = adaptive_policy(ctx.target, trained, ev.profile_dir, (1,), kwargs, notice=_timing_notice)
-    engine = BatchEngine(ctx.target, trained, max_batch_size=1, draft_length=policy, **kwargs)
-    ctx.notes["drafter_adaptive"] = {"num_speculative_tokens": engine.num_speculative_tokens, "max_cap": engine.max_cap,
-                                     "loop_stages": stages, "rule": ev.rule,
+    settings = resolve_settings(trained, ev.num_speculative_tokens, stages, OPEN_GATE, ev.carryover)
+    engine, stored = adaptive_engine(ctx.target, trained, settings, ev.profile_dir, 1, notice=_timing_notice)
+    ctx.notes["drafter_adaptive"] = {"num_speculative_tokens": settings.num_speculative_tokens,
+                                     "max_cap": settings.max_cap, "loop_stages": stages, "rule": ev.rule,
                                      "round_profile": "stored" if stored.reused else "measured"}
 
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
@@ -140,9 +139,9 @@ def _timing_notice(path: Any) -> None:
 def drafter_tree(ctx: EvalContext) -> MethodFn:
     """The trained drafter with token trees (batch 1): ``eval.tree_budget`` nodes per round."""
     ev = ctx.ev
-    if ev.rule not in TREE_RULES:
-        raise ConfigError(f"eval.rule: drafter_tree verifies trees under {list(TREE_RULES)}, not '{ev.rule}'")
-    if ev.tree_builder not in ("ddtree", "causal") or ev.tree_budget < 1:
+    if ev.rule not in rules_where(trees=True):
+        raise ConfigError(f"eval.rule: drafter_tree verifies trees under {rules_where(trees=True)}, not '{ev.rule}'")
+    if ev.tree_builder not in TREE_BUILDERS or ev.tree_budget < 1:
         raise ConfigError(f"eval.tree_builder/tree_budget: '{ev.tree_builder}'/{ev.tree_budget}; the builder is "
                           "ddtree or causal, the budget at least 1 node")
     trained = _trained(ctx, "drafter_tree")
@@ -154,8 +153,8 @@ def drafter_tree(ctx: EvalContext) -> MethodFn:
                             builder=ev.tree_builder)
     except ValueError as err:
         raise ConfigError(f"eval.tree_builder: {err}") from err
-    ctx.notes["drafter_tree"] = {"num_speculative_tokens": engine.num_speculative_tokens, "rule": ev.rule, "budget": ev.tree_budget,
-                                 "builder": ev.tree_builder}
+    ctx.notes["drafter_tree"] = {"num_speculative_tokens": engine.settings.num_speculative_tokens, "rule": ev.rule,
+                                 "budget": ev.tree_budget, "builder": ev.tree_builder}
 
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
         return _from_engine("drafter_tree", engine.generate(ids, n, ctx.sampling, seed), drafting=True)

@@ -10,7 +10,7 @@ Quantities (the survey's notation):
 * drafter KV-cache bytes = 2 (K and V) · dtype bytes · tokens · layers · kv heads · head dim.
 
 The draft-length scheduler that uses these (DSpark's, one cap per padded batch pass) is
-``components.engine.schedule.AdaptiveDraftLength``.
+``components.engine.adaptive.AdaptiveDraftLength``.
 
 Forward-time and SPS curves are callables ``n -> value`` on tensors; ``ProfileTable`` turns a
 profiled table into one by linear interpolation. What this module does not know: models,

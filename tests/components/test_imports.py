@@ -50,7 +50,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_the_graph_sees_the_engine():
     graph = import_graph()
-    assert graph.get("components.engine.engine")
+    assert graph.get("components.engine.chain")
 
 
 def test_no_import_circle_in_components():

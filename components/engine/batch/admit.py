@@ -27,7 +27,7 @@ from components.engine.batch.draft import consume_rows
 from components.engine.batch.state import Batch, Request, Row, StepOutput
 from components.engine.cache.ragged import RaggedCache
 from components.engine.cache.slab import preallocate
-from components.engine.engine import GenerationResult, SequenceState, new_randomness, sync_device
+from components.engine.core import GenerationResult, SequenceState, new_randomness, sync_device
 from components.engine.rules import get_rule
 
 

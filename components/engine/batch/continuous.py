@@ -6,27 +6,29 @@ One ``step()`` is one round for the whole running batch::
     admit    -- waiting requests (up to ``max_batch_size``) are prefilled together, in one
                 right-padded target pass, and their rows appended to the batch's ragged cache;
                 each prefill's first token is emitted at once (``admit.Admission``);
-    draft    -- per running request, the drafter proposes γ_b tokens on that request's own
-                drafter state (DLoop stages and carryover as in ``SpeculativeEngine.draft``);
-                γ_b = 0 for plain-decoding requests (``draft.Drafting``);
-    verify   -- ONE target forward over [B, G+1] (row b: x_{n_b-1}, its γ_b drafts, padding),
+    draft    -- per running request, the drafter proposes num_drafts_b ≤ cap tokens on that
+                request's own drafter state (DLoop stages as in ``chain.draft_chain``);
+                0 for plain-decoding requests (``draft.Drafting``);
+    verify   -- ONE target forward over [B, G+1] (row b: x_{n_b-1}, its drafts, padding),
                 each row at its own positions over its own valid cache slots (``RaggedCache``);
                 then each request's rule decides its accepted prefix and next token;
     accept   -- the accepted slots become committed, rejected and padding slots become holes;
                 each drafter state consumes its verified positions' hidden states (never
-                recomputed); carryover rows are attached as in ``SpeculativeEngine.accept``;
+                recomputed); the round is committed as in the batch-1 engine
+                (``chain.commit_round``: carryover rows, emitted tokens, the round's count);
     finish   -- a request ends at ``max_new_tokens``, at one of its stop tokens (included in the
                 output) or when cancelled; its cache rows are freed before the next round.
 
 Per-request randomness (a generator and a Gumbel seed per request) is consumed in the same
-order as ``SpeculativeEngine.generate`` would for that request alone, so a request's output
+order as the batch-1 ``SpeculativeEngine`` would for that request alone, so a request's output
 does not depend on what else is in the batch (greedy: equal to the target's own greedy output).
 
 Each request keeps a batch-1 drafter state; drafters declaring the batched capabilities propose
 and consume for all rows in one call (``draft.py``). The verify pass and the target cache are
-batched. Chains, and a token tree for a lone request (``tree_round.py``).
-This module knows the engine protocol of drafters and the rules; nothing about tokenization,
-HTTP or asyncio (``stream.py`` streams on top of ``step``).
+batched. Chains, and a token tree for a lone request (``tree_round.py``). The drafting settings
+(γ, DLoop, carryover, trees, preallocation) are one ``EngineSettings``; each row carries its
+own rule. This module knows the engine protocol of drafters, the rules and the chain's commit
+step; nothing about tokenization, HTTP or asyncio (``stream.py`` streams on top of ``step``).
 """
 
 from __future__ import annotations
@@ -39,60 +41,61 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from components.engine.adaptive.policy import DraftLengthPolicy, FixedDraftLength
 from components.engine.batch.admit import Admission
 from components.engine.batch.draft import Drafting
 from components.engine.batch.state import Batch, Request, Row, StepOutput
 from components.engine.batch.stats import EngineStats
 from components.engine.batch.tree_round import TreeRounds
-from components.engine.engine import (
-    EngineDrafter,
-    GenerationResult,
-    SequenceState,
-    SpeculativeEngine,
-    sync_device,
-)
-from components.engine.rules import RULES, Rule
-from components.engine.schedule import DraftLengthPolicy, FixedDraftLength
+from components.engine.chain import commit_round
+from components.engine.core import EngineDrafter, GenerationResult, sync_device
+from components.engine.rules import Rule
+from components.engine.settings import EngineSettings, resolve_settings
 
 
 class BatchEngine:
     """Continuous-batching speculative decoding of ``drafter`` (or plain decoding) on ``target``."""
 
     def __init__(self, target: Any, drafter: EngineDrafter | None = None, num_speculative_tokens: int | None = None,
-                 loop_stages: int = 1, loop_gate: float = -0.5, carryover: bool = False,
-                 max_batch_size: int = 16, compact_at: float = 0.5,
-                 draft_length: DraftLengthPolicy | None = None, preallocate: bool = True,
-                 tree_budget: int = 0, tree_builder: str = "ddtree"):
-        """``drafter=None``: every request decodes plainly. ``compact_at``: the fraction of the
+                 loop_stages: int = EngineSettings.loop_stages, loop_gate: float = EngineSettings.loop_gate,
+                 carryover: bool = EngineSettings.carryover, max_batch_size: int = 16, compact_at: float = 0.5,
+                 draft_length: DraftLengthPolicy | None = None, preallocate: bool = EngineSettings.preallocate,
+                 tree_budget: int = EngineSettings.tree_budget, tree_builder: str = EngineSettings.tree_builder,
+                 settings: EngineSettings | None = None):
+        """``drafter=None``: every request decodes plainly. ``settings``: the drafting settings,
+        resolved already (``settings.resolve_settings``); else resolved here from γ, DLoop,
+        carryover, ``preallocate`` (the batch's KV cache grows in place in a buffer with
+        headroom, ``cache.slab``) and ``tree_budget`` > 0 (a lone request of a rule with
+        ``batched_trees`` drafts a token tree of that many nodes, ``tree_builder``: ddtree or
+        causal, instead of a chain: ``tree_round.py``). ``compact_at``: the fraction of the
         ragged cache's width that compaction would free, above which it is compacted after a
-        round. ``draft_length``: the per-round cap on drafts (default fixed γ;
-        ``AdaptiveDraftLength`` shrinks it under load). ``preallocate``: the batch's KV cache grows
-        in place in a buffer with headroom (``cache.slab``) instead of by ``torch.cat`` each round.
-        ``tree_budget`` > 0: a lone greedy or Gumbel request drafts a token tree of that many
-        nodes (``tree_builder``: ddtree or causal) instead of a chain (``tree_round.py``)."""
+        round. ``draft_length``: the per-round cap on drafts (default fixed γ·stages;
+        ``AdaptiveDraftLength`` shrinks it under load)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.settings = settings or resolve_settings(drafter, num_speculative_tokens, loop_stages, loop_gate, carryover,
+                                                     preallocate, tree_budget, tree_builder)
         self.target, self.drafter = target, drafter
         self.max_batch_size, self.compact_at = int(max_batch_size), float(compact_at)
-        self.preallocate = bool(preallocate)
         self.layer_ids: list[int] = list(drafter.layer_ids) if drafter is not None else []
-        engines: dict[str, SpeculativeEngine] = {}
-        if drafter is not None:  # one per rule: draft() picks tokens the rule's way
-            engines = {name: SpeculativeEngine(target, drafter, name, num_speculative_tokens, loop_stages, loop_gate,
-                                               carryover, preallocate) for name in RULES}
-        any_engine = next(iter(engines.values()), None)
-        self.num_speculative_tokens = any_engine.num_speculative_tokens if any_engine else 0
-        self.max_cap = self.num_speculative_tokens * (any_engine.loop_stages if any_engine else 1)
-        self.carryover = bool(carryover)
         self.draft_length = draft_length or FixedDraftLength()
         self.waiting: deque[Request] = deque()
         self.batch = Batch()
         self.stats = EngineStats()
         self._cancelled: set[str] = set()
-        self.admission = Admission(target, drafter, self.layer_ids, self.preallocate)
-        self.drafting = Drafting(drafter, engines, self.draft_length, self.max_cap)
-        self.trees = TreeRounds(target, drafter, self.num_speculative_tokens, int(tree_budget), tree_builder, loop_stages,
-                                carryover, self.preallocate)
+        self.admission = Admission(target, drafter, self.layer_ids, self.settings.preallocate)
+        self.drafting = Drafting(drafter, self.settings, self.draft_length)
+        self.trees = TreeRounds(target, drafter, self.settings)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """γ as configured (0 without a drafter)."""
+        return self.settings.num_speculative_tokens
+
+    @property
+    def max_cap(self) -> int:
+        """The most drafts a round may verify: γ·stages."""
+        return self.settings.max_cap
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> str:
@@ -189,7 +192,7 @@ class BatchEngine:
         """One target forward over every row's [x_{n-1}, drafts, padding] → logits [B, G+1, V],
         hidden [B, G+1, n, H] (or None), seconds."""
         rows, dev = self.batch.rows, self.target.device
-        width = 1 + max(r.num_speculative_tokens for r in rows)
+        width = 1 + max(r.num_drafts for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
         for b, row in enumerate(rows):
             ids[b, 0] = row.seq.last_token[0]
@@ -216,7 +219,8 @@ class BatchEngine:
         states = self.drafting.consume_verified(rows, [a for a, _ in verdicts], hidden)
         shared = (time.perf_counter() - t0) / len(rows)
         for b, (row, (a, nxt)) in enumerate(zip(rows, verdicts)):
-            emitted = self._commit_row(row, a, nxt, states[b], hidden[b:b + 1] if hidden is not None else None)
+            row.seq, emitted = commit_round(self.drafter, self.settings, row.seq, states[b], row.drafts, a, nxt,
+                                            hidden[b:b + 1] if hidden is not None else None, row.result)
             row.result.verify_seconds += forward_seconds + shared
             out = row.output(emitted, len(row.seq.new_tokens) - len(emitted))
             outs.append(out)
@@ -245,7 +249,7 @@ class BatchEngine:
             mine = logits if len(idx) == len(rows) else logits[torch.tensor(idx, device=dev)]
             drafts = torch.nn.utils.rnn.pad_sequence(  # [R, G'] (padding never read past a row's length)
                 [rows[b].drafts[0] if rows[b].drafts is not None else empty for b in idx], batch_first=True)
-            lens = torch.tensor([rows[b].num_speculative_tokens for b in idx], dtype=torch.long, device=dev)
+            lens = torch.tensor([rows[b].num_drafts for b in idx], dtype=torch.long, device=dev)
             res = rule.verify_rows(drafts, lens, mine[:, :drafts.shape[1] + 1])
             for j, (b, a) in enumerate(zip(idx, res.num_accepted.tolist())):
                 verdicts[b] = (a, res.next_token[j:j + 1])
@@ -261,24 +265,3 @@ class BatchEngine:
         positions = torch.arange(start, start + g + 1, device=dev)[None, :]
         res = row.rule.verify(row.drafts, logits[:, :g + 1], row.proposal, positions, row.rnd)
         return int(res.num_accepted[0]), res.next_token
-
-    def _commit_row(self, row: Row, a: int, nxt: Tensor, state: Any, hidden: Tensor | None) -> list[int]:
-        """Commits x_{n-1} + a accepted drafts of ``row`` (``state``: its drafter state after
-        consuming them; hidden [1, G+1, n, H]); attaches carryover rows; returns the tokens emitted."""
-        seq, res = row.seq, row.result
-        drafted = [] if row.drafts is None else row.drafts[0, :a].tolist()
-        carried = 0
-        if state is not None and self.carryover and hidden is not None and row.drafts is not None:
-            rejected = hidden[:, a + 1:1 + row.drafts.shape[1]][:, :self.num_speculative_tokens]  # [1, carried, n, H]
-            carried = rejected.shape[1]
-            if carried:
-                state = self.drafter.with_carry(state, rejected, seq.length + a)
-        emitted = drafted + [int(nxt[0])]
-        row.seq = SequenceState(None, state, nxt, seq.length + a + 1, seq.new_tokens + emitted, carried)
-        res.rounds += 1
-        res.target_forwards += 1
-        if row.drafts is not None:
-            res.accepted.append(a)
-            res.drafted.append(row.drafts.shape[1])
-            res.carried.append(row.carried)
-        return emitted

@@ -1,23 +1,23 @@
 """The drafter's side of the batch engine's rounds: this round's draft cap, the drafts of every
 speculating row, and the drafter's updates after verification (``Drafting``).
 
-The cap is asked of the draft-length policy with each row's survival estimate: its latest
-proposal's confidences, scaled by the row's own record of accepted against predicted drafts
-(when the policy calibrates), else the acceptance seen over all rows scaled the same way; and,
-when no request waits to join, each row's tokens left (the batch is draining).
+The cap is the policy's (``adaptive.round_cap``) over the rows' survival estimates
+(``adaptive.RowSurvival``), given, when no request waits to join, each row's tokens left (the
+batch is draining); a policy that does not adapt (``FixedDraftLength``) leaves it at γ·stages.
 
 A drafter declaring ``Capability.BATCHED_PROPOSE`` (block drafters; EAGLE-3, MTP: one pass per
 draft step) drafts the rows that draft in one stage together, in padded, masked drafter
 passes; each row's readout then draws from that row's own sampling parameters and generator,
-exactly as ``SpeculativeEngine.draft`` would for the row alone (so sampled output does not
-depend on the rest of the batch). Rows whose cap this round needs more than one DLoop stage,
-and drafters without it, propose one by one. Likewise ``Capability.BATCHED_CONSUME`` turns the per-row ``consume`` calls
-into one ``consume_many`` (``consume_rows``). Either way the output is the same.
+exactly as ``chain.draft_chain`` would for the row alone (so sampled output does not depend on
+the rest of the batch). Rows whose cap this round needs more than one DLoop stage, and
+drafters without it, draft one by one (``chain.draft_chain``, by the row's own rule). Likewise
+``Capability.BATCHED_CONSUME`` turns the per-row ``consume`` calls into one ``consume_many``
+(``consume_rows``). Either way the output is the same.
 
 A speculating row's plain round (cap 0) only records its token and hidden state (``pending``);
 the drafter consumes them when the row drafts again (``flush``), so cap-0 rounds cost what
-plain decoding costs. Knows the drafter's engine protocol and the draft-length policy; nothing
-about verification or the target cache.
+plain decoding costs. Knows the drafter's engine protocol, the chain's drafting step and the
+draft-length policy; nothing about verification or the target cache.
 """
 
 from __future__ import annotations
@@ -30,16 +30,14 @@ import torch
 from torch import Tensor
 
 from components.drafters.capabilities import Capability, has
+from components.engine.adaptive.policy import DraftLengthPolicy
+from components.engine.adaptive.rows import round_cap
 from components.engine.batch.state import Row
-from components.engine.engine import SpeculativeEngine, sync_device
-from components.engine.schedule import (
-    DraftLengthPolicy,
-    FixedDraftLength,
-    survival_from_confidences,
-)
+from components.engine.chain import draft_chain, num_drafts_for
+from components.engine.core import sync_device
+from components.engine.settings import EngineSettings
 
-ROW_DECAY = 0.8  # per round, on a row's predicted/accepted sums
-ROW_PRIOR = 4.0  # pseudo-tokens on both sides of a row's ratio: about one round's worth of evidence
+CAPS_KEPT = 4096  # caps a long-running engine remembers (for dashboards and benchmarks)
 
 
 def consume_rows(drafter: Any, states: list[Any], tokens: list[Tensor], hidden: list[Tensor | None]) -> list[Any]:
@@ -50,17 +48,11 @@ def consume_rows(drafter: Any, states: list[Any], tokens: list[Tensor], hidden: 
     return [drafter.consume(s, t, h) for s, t, h in zip(states, tokens, hidden)]
 
 
-CAPS_KEPT = 4096  # caps a long-running engine remembers (for dashboards and benchmarks)
-
-
 class Drafting:
     """Caps, drafts and drafter updates of the batch's rows, for ``BatchEngine``."""
 
-    def __init__(self, drafter: Any, engines: dict[str, SpeculativeEngine], policy: DraftLengthPolicy,
-                 max_cap: int):
-        """``engines``: a chain engine per rule (drafting as the rule picks its tokens)."""
-        self.drafter, self.engines, self.policy = drafter, engines, policy
-        self.max_cap = max_cap
+    def __init__(self, drafter: Any, settings: EngineSettings, policy: DraftLengthPolicy):
+        self.drafter, self.settings, self.policy = drafter, settings, policy
         self.batched = drafter is not None and has(drafter, Capability.BATCHED_PROPOSE)
         self.caps: deque[int] = deque(maxlen=CAPS_KEPT)  # the cap chosen each of the last rounds
         self.capped_rounds = 0  # rounds that chose a cap, since the engine started
@@ -70,45 +62,42 @@ class Drafting:
     def draft(self, rows: list[Row], draining: bool) -> float:
         """Drafts for every speculating row under this round's cap; returns the seconds spent.
         ``draining``: no request waits to join."""
-        self._count_row_hits(rows)
+        for row in rows:  # last round's outcome, for the rows' own records
+            if row.drafts is not None and row.result.accepted:
+                row.estimate.settle(row.num_drafts, row.result.accepted[-1])
         cap = self._cap(rows, draining)
         spent = self.flush([r for r in rows if r.pending and cap and r.speculates])
         together: list[tuple[Row, int]] = []
         for row in rows:
-            row.carried = row.seq.carry_rows
-            # as SpeculativeEngine.round: at least one draft, overshoot cut (same randomness use)
-            gamma = max(1, min(cap, row.remaining - 1)) if row.speculates and cap else 0
+            # as the batch-1 round: at least one draft, overshoot cut (same randomness use)
+            num_drafts = num_drafts_for(cap, row.remaining) if row.speculates and cap else 0
             row.proposal, row.drafts = None, None
-            if gamma == 0:
+            if num_drafts == 0:
                 continue
-            if self.batched and gamma <= self.engines[row.request.rule].num_speculative_tokens:  # one stage
-                together.append((row, gamma))
+            if self.batched and num_drafts <= self.settings.num_speculative_tokens:  # one stage
+                together.append((row, num_drafts))
                 continue
             t0 = time.perf_counter()
-            row.proposal, row.drafts = self.engines[row.request.rule].draft(row.seq, gamma, row.rnd)
+            row.proposal, row.drafts = draft_chain(self.drafter, self.settings, row.rule, row.seq, num_drafts, row.rnd)
             sync_device(row.drafts.device)
             row.result.draft_seconds += time.perf_counter() - t0
             spent += time.perf_counter() - t0
         spent += self._draft_together(together)
         for row in rows:
-            conf = survival_from_confidences(row.proposal.confidences) if row.proposal is not None else None
-            # no proposal this round (a plain round): no fresh estimate, so the next cap reads the
-            # acceptance seen so far; a stale low confidence would keep the row plain for good
-            row.raw_survival = conf[0] if conf is not None else None
-            row.survival = row_calibrated(row.raw_survival, row.hits) if self._per_row else row.raw_survival
+            row.estimate.refresh(row.proposal.confidences if row.proposal is not None else None, self.policy.calibrate)
         return spent
 
     def _draft_together(self, rows: list[tuple[Row, int]]) -> float:
-        """Drafts of ``rows`` (row, γ) in one ``propose_many`` call, each of its own γ, picked by
-        its own rule with its own randomness."""
+        """Drafts of ``rows`` (row, num_drafts) in one ``propose_many`` call, each of its own
+        length, picked by its own rule with its own randomness."""
         if not rows:
             return 0.0
         t0 = time.perf_counter()
         last = torch.cat([row.seq.last_token for row, _ in rows])  # [R]
-        samplings = [self.engines[row.request.rule].rule.draft_sampling(row.rnd) for row, _ in rows]
+        samplings = [row.rule.draft_sampling(row.rnd) for row, _ in rows]
         props = self.drafter.propose_many([row.seq.draft_state for row, _ in rows], last, samplings,
                                           [g for _, g in rows], generators=[row.rnd.generator for row, _ in rows])
-        for (row, g), prop in zip(rows, props):  # each proposal already cut to its row's γ
+        for (row, g), prop in zip(rows, props):  # each proposal already cut to its row's length
             positions = torch.arange(row.seq.length, row.seq.length + g, device=last.device)[None, :]
             row.proposal, row.drafts = prop, row.rule.pick_drafts(prop, positions, row.rnd)
         sync_device(last.device)
@@ -116,6 +105,21 @@ class Drafting:
         for row, _ in rows:
             row.result.draft_seconds += seconds / len(rows)
         return seconds
+
+    def _cap(self, rows: list[Row], draining: bool) -> int:
+        """This round's draft cap from the policy, over the rows that speculate."""
+        rows = [r for r in rows if r.speculates]
+        max_cap = self.settings.max_cap
+        if not rows or max_cap == 0:
+            return 0
+        if not self.policy.adapts:
+            return max_cap
+        # draining: the batch's time is that of its last row
+        cap = round_cap(self.policy, [r.estimate for r in rows], max_cap,
+                        [r.remaining for r in rows] if draining else None)
+        self.caps.append(cap)
+        self.capped_rounds += 1
+        return cap
 
     # ------------------------------------------------------------------ drafter updates
     def flush(self, rows: list[Row]) -> float:
@@ -154,63 +158,3 @@ class Drafting:
         for b, new in zip(idx, news):
             states[b] = new
         return states
-
-    # ------------------------------------------------------------------ the cap
-    @property
-    def _per_row(self) -> bool:
-        """Rows' survival calibrated by their own record: when the policy calibrates at all."""
-        return bool(self.policy.calibrate)
-
-    def _count_row_hits(self, rows: list[Row]) -> None:
-        """Each row that drafted last round adds what its confidences predicted and what it got
-        (decayed), for ``row_calibrated``: the head's error is not the same on every request."""
-        for row in rows:
-            if row.drafts is None or row.raw_survival is None or not row.result.accepted:
-                continue
-            drafted = row.drafts.shape[1]
-            row.hits[0] = ROW_DECAY * row.hits[0] + float(row.raw_survival[:drafted].sum())
-            row.hits[1] = ROW_DECAY * row.hits[1] + float(row.result.accepted[-1])
-
-    def _cap(self, rows: list[Row], draining: bool) -> int:
-        """This round's draft cap from the policy, over the rows that speculate."""
-        rows = [r for r in rows if r.speculates]
-        if not rows or self.max_cap == 0:
-            return 0
-        if isinstance(self.policy, FixedDraftLength):
-            return self.max_cap
-        fallback = self.policy.empirical_survival(self.max_cap)
-        survival = torch.stack([self._row_estimate(r, fallback) for r in rows])  # [B', max_cap]
-        # draining: the batch's time is that of its last row
-        remaining = [r.remaining for r in rows] if draining else None
-        cap = self.policy.cap(survival, self.max_cap, remaining=remaining)
-        self.caps.append(cap)
-        self.capped_rounds += 1
-        return cap
-
-    def _row_estimate(self, row: Row, fallback: Tensor) -> Tensor:  # → [max_cap] float64
-        """A row's survival: its latest confidences (already scaled by its record), extended
-        past their length by the acceptance seen over all rows; without fresh confidences
-        (after a plain round), that acceptance alone, scaled by the row's own record."""
-        if row.survival is None and self._per_row:
-            return row_calibrated(fallback, row.hits)
-        return _fill(row.survival, fallback)
-
-
-def row_calibrated(survival: Tensor | None, hits: list[float]) -> Tensor | None:
-    """A row's survival [γ'] scaled by what its own past rounds got against what its
-    confidences predicted, (accepted + m) / (predicted + m), monotone and at most 1. The
-    policy's per-position calibration works over all rows; this one catches the request the
-    head is steadily wrong about (a hard continuation in a batch of easy ones)."""
-    if survival is None:
-        return None
-    ratio = (hits[1] + ROW_PRIOR) / (hits[0] + ROW_PRIOR)
-    return (survival.double() * ratio).clamp(0, 1).cummin(dim=-1).values
-
-
-def _fill(survival: Tensor | None, fallback: Tensor) -> Tensor:  # → [len(fallback)] float64
-    if survival is None:
-        return fallback
-    s, n = survival.double().cpu()[: fallback.shape[0]], min(survival.shape[0], fallback.shape[0])
-    if n == 0:
-        return fallback
-    return torch.cat([s, fallback[n:] / fallback[n - 1].clamp_min(1e-9) * s[-1]])  # extend by empirical α

@@ -2,8 +2,9 @@
 request, a ``Row`` (one admitted request: its sequence state, randomness and this round's
 drafts) and the ``Batch`` of rows with their shared ragged cache.
 
-Every collaborator of ``engine.BatchEngine`` (admission, drafting, tree rounds) receives these
-as arguments. Knows sequences, rules and proposals as values; does no model work.
+Every collaborator of ``continuous.BatchEngine`` (admission, drafting, tree rounds) receives
+these as arguments. Knows sequences, rules, proposals and survival estimates as values; does no
+model work.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal
+from components.engine.adaptive.rows import RowSurvival
 from components.engine.cache.ragged import RaggedCache
-from components.engine.engine import GenerationResult, SequenceState
+from components.engine.core import GenerationResult, SequenceState
 from components.engine.rules import RULES, RoundRandomness, Rule
 from components.spec.sampling import SamplingParams
 
@@ -82,13 +84,10 @@ class Row:
     result: GenerationResult
     started: float  # perf_counter at admission
     proposal: Proposal | None = None  # this round's
-    survival: Tensor | None = None  # [γ'] this round's proposal's survival, calibrated for this row
-    raw_survival: Tensor | None = None  # [γ'] the same as the confidence head gave it
-    hits: list[float] = field(default_factory=lambda: [0.0, 0.0])  # this row's Σ predicted, Σ accepted
+    estimate: RowSurvival = field(default_factory=RowSurvival)  # survival for the adaptive cap
     pending: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # verified (tokens [1, 1], hidden
     # [1, 1, n, H]) the drafter has not consumed yet: plain rounds of a speculating row defer it
-    drafts: Tensor | None = None  # [1, γ_b] this round's
-    carried: int = 0  # carryover rows this round's first block reads
+    drafts: Tensor | None = None  # [1, num_drafts] this round's (None: a plain round)
 
     @property
     def remaining(self) -> int:
@@ -100,7 +99,8 @@ class Row:
         return self.seq.draft_state is not None
 
     @property
-    def num_speculative_tokens(self) -> int:
+    def num_drafts(self) -> int:
+        """The drafts this row verifies this round (0: a plain round)."""
         return 0 if self.drafts is None else self.drafts.shape[1]
 
     def finish(self, reason: str) -> GenerationResult:

@@ -30,7 +30,7 @@ from typing import Any
 
 from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.state import Request, StepOutput
-from components.engine.engine import GenerationResult
+from components.engine.core import GenerationResult
 
 
 class EngineError(RuntimeError):

@@ -1,20 +1,20 @@
 """The batch engine's token-tree round: when a single request is running, a tree of drafts
-instead of a chain (``BatchEngine(tree_budget=N)``).
+instead of a chain (``settings.tree_budget`` > 0).
 
 A verify pass over one row is memory-bound: N + 1 tokens cost little more than γ + 1 on an
 accelerator, and a tree of N nodes keeps the best alternatives at every depth where a chain
 keeps one. So when the batch has shrunk to one row (a quiet server, the last request of a
-batch) and that row's rule verifies trees path-independently (greedy, or Gumbel coupling: the
-output is the target's own whatever was drafted), the round is ``TreeEngine.round`` on that
-row: the ragged cache is compacted to the row's committed slots (so the tree's 4-D mask can sit
+batch) and that row's rule declares ``batched_trees`` (its tree output is the target's own
+whatever was drafted: greedy, Gumbel coupling), the round is ``tree.tree_round`` on that row:
+the ragged cache is compacted to the row's committed slots (so the tree's 4-D mask can sit
 right after them), and the round's cache becomes the batch's again. With two or more rows,
 rounds are chains as before.
 
-Sampled rows (``speculative``, ``block``) keep chains, so their output stays what the batch-1
-chain engine would draw for the same seed. Not with DLoop stages or carryover (refused at
-construction, as ``TreeEngine`` refuses them). Knows the tree engine, the batch's records and
-the ragged cache; nothing about drafter families or the drafter's deferred updates (the batch
-engine flushes them before a tree round).
+Rows of other rules keep chains, so their output stays what the batch-1 chain engine would
+draw for the same seed. Not with DLoop stages or carryover (refused when the settings are
+resolved). Knows the tree round, the batch's records and the ragged cache; nothing about
+drafter families or the drafter's deferred updates (the batch engine flushes them before a
+tree round).
 """
 
 from __future__ import annotations
@@ -23,34 +23,24 @@ from typing import Any
 
 from components.engine.batch.state import Batch, Row, StepOutput
 from components.engine.cache.ragged import RaggedCache
-from components.engine.engine import SequenceState
-from components.engine.tree import TreeEngine
-
-TREE_BATCH_RULES = ("greedy", "gumbel")  # rules whose output does not depend on the drafts
+from components.engine.core import SequenceState
+from components.engine.settings import EngineSettings
+from components.engine.tree import tree_round
 
 
 class TreeRounds:
-    """Tree rounds of a lone row, one ``TreeEngine`` per rule in ``TREE_BATCH_RULES``."""
+    """Tree rounds of a lone row whose rule declares ``batched_trees``."""
 
-    def __init__(self, target: Any, drafter: Any, gamma: int, budget: int, builder: str = "ddtree",
-                 loop_stages: int = 1, carryover: bool = False, preallocate: bool = True):
-        """``budget`` nodes per round; ``budget`` 0: never (every round is a chain)."""
-        self.engines: dict[str, TreeEngine] = {}
-        if budget <= 0:
-            return
-        if drafter is None:
-            raise ValueError("tree_budget: token trees need a drafter")
-        if loop_stages > 1 or carryover:
-            raise ValueError("tree_budget: token trees are not combined with DLoop stages or carryover")
-        self.engines = {rule: TreeEngine(target, drafter, rule, gamma, budget=budget, builder=builder,
-                                         preallocate=preallocate) for rule in TREE_BATCH_RULES}
+    def __init__(self, target: Any, drafter: Any, settings: EngineSettings):
+        """``settings.tree_budget`` nodes per round; 0: never (every round is a chain)."""
+        self.target, self.drafter, self.settings = target, drafter, settings
 
     def lone_row(self, batch: Batch) -> Row | None:
-        """The running row, if it is alone, speculates and its rule verifies trees."""
-        if not self.engines or len(batch.rows) != 1:
+        """The running row, if it is alone, speculates and its rule verifies trees in a batch."""
+        if self.settings.tree_budget <= 0 or len(batch.rows) != 1:
             return None
         row = batch.rows[0]
-        return row if row.speculates and row.request.rule in self.engines else None
+        return row if row.speculates and row.rule.batched_trees else None
 
     def round(self, batch: Batch, row: Row) -> tuple[list[StepOutput], int, int, float, float]:
         """One tree round of ``batch``'s lone ``row`` (no deferred drafter updates left) →
@@ -65,10 +55,11 @@ class TreeRounds:
         res, before = row.result, len(row.seq.new_tokens)
         draft0, verify0 = res.draft_seconds, res.verify_seconds
         seq = SequenceState(cache.cache, row.seq.draft_state, row.seq.last_token, row.seq.length, row.seq.new_tokens)
-        seq = self.engines[row.request.rule].round(seq, row.remaining, row.rnd, res)
+        seq = tree_round(self.target, self.drafter, self.settings, row.rule, seq, row.remaining, row.rnd, res)
         batch.cache = RaggedCache.single(seq.cache)
         row.seq = SequenceState(None, seq.draft_state, seq.last_token, seq.length, seq.new_tokens)
-        row.proposal = row.survival = row.raw_survival = row.drafts = None
+        row.proposal = row.drafts = None
+        row.estimate.clear()
         out = row.output(row.seq.new_tokens[before:], before)
         if out.finished:
             batch.remove([0])

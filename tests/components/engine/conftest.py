@@ -16,7 +16,7 @@ def references(tiny_target) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def greedy_refs(tiny_target) -> list[list[int]]:
-    """Target-only greedy outputs of the batch tests' requests (``batch.test_engine.requests``)."""
+    """Target-only greedy outputs of the batch tests' requests (``batch.test_continuous.requests``)."""
     from tests.components.engine.batch.test_continuous import requests
 
     return [target_only_generate(tiny_target, r.prompt_ids, r.max_new_tokens).tokens

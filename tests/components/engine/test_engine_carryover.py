@@ -12,7 +12,7 @@ from components.config import DrafterConfig
 from components.drafters.base import DraftBatch, DrafterError
 from components.drafters.capabilities import CapabilityError
 from components.drafters.registry import build_drafter
-from components.engine import OracleDrafter, SpeculativeEngine
+from components.engine import OracleDrafter, SpeculativeEngine, chain
 from components.losses import build_loss
 from components.spec.sampling import GREEDY
 from components.training.objectives import ObjectiveContext, build_objective
@@ -86,12 +86,12 @@ def test_next_proposal_equals_the_objectives_second_block(tiny_target, name, mon
     engine = SpeculativeEngine(tiny_target, drafter, rule="greedy", carryover=True)
     gamma, rounds = drafter.max_speculative_tokens, []
 
-    def recording_accept(seq, drafts, result, hidden, cache, accept=engine.accept):
-        new = accept(seq, drafts, result, hidden, cache)
+    def recording_accept(drafter_, settings, seq, drafts, result, hidden, cache, res, accept=chain.accept_chain):
+        new = accept(drafter_, settings, seq, drafts, result, hidden, cache, res)
         rounds.append((seq.length - 1, drafts[0].clone(), int(result.num_accepted[0]), hidden.clone(), new))
         return new
 
-    monkeypatch.setattr(engine, "accept", recording_accept)
+    monkeypatch.setattr(chain, "accept_chain", recording_accept)  # the batch-1 round's accept step
     checked = 0
     for prompt in prompts(tiny_target)[:2]:
         rounds.clear()

@@ -15,6 +15,7 @@ from components.engine import (
     PromptLookupDrafter,
     SpeculativeEngine,
     TargetDrafter,
+    chain,
     target_only_generate,
 )
 
@@ -88,15 +89,15 @@ def test_cache_cropped_to_committed_length_no_recompute(tiny_target, references,
 
     monkeypatch.setattr(tiny_target, "forward", counting)
     lengths: list[tuple[int, int]] = []
-    accept = engine.accept
+    accept = chain.accept_chain
 
-    def checked_accept(seq, drafts, result, hidden, cache):
-        new = accept(seq, drafts, result, hidden, cache)
+    def checked_accept(drafter, settings, seq, drafts, result, hidden, cache, res):
+        new = accept(drafter, settings, seq, drafts, result, hidden, cache, res)
         lengths.append((new.cache.get_seq_length(), new.length - 1))
         assert new.draft_state.length == new.length - 1
         return new
 
-    monkeypatch.setattr(engine, "accept", checked_accept)
+    monkeypatch.setattr(chain, "accept_chain", checked_accept)  # the batch-1 round's accept step
     out = engine.generate(prompt, MAX_NEW)
     assert out.tokens == ref
     assert 0 < sum(out.accepted) < sum(out.drafted)  # some accepted, some rejected

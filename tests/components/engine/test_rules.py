@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from components.drafters.base import Proposal
-from components.engine.engine import new_randomness
+from components.engine.core import new_randomness
 from components.engine.rules import RULES, get_rule
+from components.ruleset import RULE_USES, RuleUse
 from components.spec.sampling import SamplingParams
 
 
@@ -36,3 +38,23 @@ def test_greedy_rows_at_once_equal_each_row_alone():
 
 def test_only_rules_without_per_request_randomness_verify_rows_together():
     assert [name for name, rule in RULES.items() if rule.verifies_rows] == ["greedy"]
+
+
+def test_the_light_rule_table_says_what_the_rules_declare():
+    """``components.ruleset`` (read by the config, without torch) matches the rule objects."""
+    declared = {name: RuleUse(rule.samples, rule.trees, rule.batched_trees) for name, rule in RULES.items()}
+    assert declared == RULE_USES
+
+
+def test_a_rule_that_declares_trees_verifies_them_and_the_others_refuse():
+    torch.manual_seed(0)
+    tokens, parents, depths = torch.tensor([[3, 5]]), torch.tensor([[-1, 0]]), torch.tensor([[1, 2]])
+    logits = torch.randn(1, 3, 7)  # [1, N+1, V]
+    rnd = new_randomness(SamplingParams(temperature=1.0), 0, torch.device("cpu"))
+    for rule in RULES.values():
+        if rule.trees:
+            result = rule.verify_tree(tokens, parents, depths, logits, 4, rnd)
+            assert result.next_token.shape == (1,)
+        else:
+            with pytest.raises(NotImplementedError, match="chains only"):
+                rule.verify_tree(tokens, parents, depths, logits, 4, rnd)

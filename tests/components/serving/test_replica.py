@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from components.config import ConfigError, ServeConfig
-from components.engine.batch.profile import profile_key
+from components.engine.adaptive.profile import profile_key
 from components.serving.app import served_for, warm_up_steps
 from components.serving.parts import build_parts
 from components.serving.protocol import APIError, parse_request
@@ -195,8 +195,8 @@ def test_round_profile_is_measured_once_and_reused(tiny_target_cfg, tiny_target_
     assert first.settings["adaptive"] and first.settings["num_speculative_tokens"] == 2
     # the guard forwards the drafter's identity: the file is the one the eval stage's
     # drafter_adaptive reads for the same drafter and settings
-    key = profile_key(first.target, first.drafter, [1, 2], first.engine_kwargs)
-    assert key == profile_key(first.target, first.drafter.drafter, [1, 2], first.engine_kwargs)
+    key = profile_key(first.target, first.drafter, [1, 2], first.engine_settings)
+    assert key == profile_key(first.target, first.drafter.drafter, [1, 2], first.engine_settings)
 
 
 def test_dloop_is_on_by_default_and_the_adaptive_cap_decides_its_stages(tiny_target_cfg, tiny_target_build,

@@ -1,5 +1,6 @@
 """Cost model: the survey's worked examples, the tree-size figure and Gumbel agreement (the
-draft-length scheduler is the engine's, tested in ``tests/components/engine/test_schedule.py``)."""
+draft-length scheduler is the engine's, tested in
+``tests/components/engine/adaptive/test_policy.py``)."""
 
 import pytest
 import torch

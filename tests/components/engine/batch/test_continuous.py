@@ -149,8 +149,8 @@ def test_adaptive_draft_length_is_lossless_and_shrinks_under_load(tiny_target, g
     rounds are priced by profiles built for the purpose, not by the clock, and the flat case's
     drafter has fixed confidences: the choices rest on the model alone (steep: any survival
     below 1 loses to plain; flat: the longest row decides, drafting fully until its last rounds)."""
-    from components.engine.batch.profile import RoundTimes
-    from components.engine.schedule import AdaptiveDraftLength
+    from components.engine.adaptive.policy import AdaptiveDraftLength
+    from components.engine.adaptive.times import RoundTimes
 
     refs = [r.prompt_ids + ref for r, ref in zip(requests(tiny_target), greedy_refs)]
     scripted = ScriptedDrafter(refs, tiny_target.vocab_size, 4, confidence=0.9)
@@ -158,7 +158,7 @@ def test_adaptive_draft_length_is_lossless_and_shrinks_under_load(tiny_target, g
         caps, sizes = BatchEngine(tiny_target, drafter).max_cap + 1, [1, 2, 4, 8, 16]
         seconds = [[float(b * (g + 1)) if want_zero else 1.0 for g in range(caps)] for b in sizes]
         policy = AdaptiveDraftLength(round_time=RoundTimes(sizes, torch.tensor(seconds)), calibrate=False)
-        engine = BatchEngine(tiny_target, drafter, draft_length=policy)  # the model alone (test_schedule: calibrated)
+        engine = BatchEngine(tiny_target, drafter, draft_length=policy)  # the model alone (test_policy: calibrated)
         results = engine.generate(requests(tiny_target))
         assert [r.tokens for r in results] == greedy_refs
         assert engine.caps and (max(engine.caps) == 0) == want_zero
@@ -170,13 +170,14 @@ def test_adaptive_draft_length_is_lossless_and_shrinks_under_load(tiny_target, g
 class ScriptedCap:
     """A draft-length policy that plays a fixed sequence of caps (then repeats it)."""
 
+    adapts = True
     calibrate = False
 
     def __init__(self, caps):
         self.caps, self.i = list(caps), 0
 
-    def empirical_survival(self, gamma):
-        return torch.ones(gamma, dtype=torch.float64)
+    def empirical_survival(self, max_cap):
+        return torch.ones(max_cap, dtype=torch.float64)
 
     def cap(self, survival, max_cap, remaining=None):
         self.i += 1
@@ -220,7 +221,7 @@ def test_plain_rounds_defer_the_drafter_update_losslessly(tiny_target, greedy_re
 
 
 def test_profiled_forward_time_is_non_decreasing(tiny_target):
-    from components.engine.schedule import profile_forward_time
+    from components.engine.adaptive.profile import profile_forward_time
 
     table = profile_forward_time(tiny_target, sizes=(1, 4, 16, 32), context=8, reps=1)
     assert table.xs.tolist() == [1, 4, 16, 32] and bool((table.ys[1:] >= table.ys[:-1]).all())

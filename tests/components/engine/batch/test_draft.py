@@ -1,5 +1,5 @@
-"""The batch engine's drafting step: per-row calibration of the confidence head's survival, and
-the drafters' batched fast paths it uses (``propose_many``/``consume_many`` equal per-row calls)."""
+"""The batch engine's drafting step: each row keeps its own record for the adaptive cap, and the
+drafters' batched fast paths it uses (``propose_many``/``consume_many`` equal per-row calls)."""
 
 from __future__ import annotations
 
@@ -7,25 +7,13 @@ import pytest
 import torch
 
 from components.engine import target_only_generate
+from components.engine.adaptive.policy import AdaptiveDraftLength
 from components.engine.batch import BatchEngine, Request
-from components.engine.batch.draft import row_calibrated
-from components.engine.schedule import AdaptiveDraftLength
 from components.spec.cost import ProfileTable
 from tests.components.engine.batch.test_continuous import batch_prompts
 from tests.components.engine.doubles import ScriptedDrafter
 from tests.components.engine.test_engine_carryover import carry_drafter
 from tests.components.engine.test_engine_greedy import random_drafter
-
-
-def test_row_calibration_scales_by_the_rows_own_record():
-    survival = torch.tensor([0.9, 0.8, 0.6], dtype=torch.float64)
-    assert row_calibrated(None, [3.0, 1.0]) is None
-    same = row_calibrated(survival, [0.0, 0.0])  # no record yet: as the head says
-    torch.testing.assert_close(same, survival)
-    doubted = row_calibrated(survival, [11.0, 1.0])  # predicted 11 accepted, got 1: (1+4)/(11+4)
-    torch.testing.assert_close(doubted, survival / 3)
-    trusted = row_calibrated(survival, [1.0, 11.0])  # got more than predicted: capped at 1
-    assert float(trusted.max()) <= 1.0 and bool((trusted[1:] <= trusted[:-1]).all())
 
 
 def test_rows_keep_their_own_record(tiny_target):
@@ -41,11 +29,11 @@ def test_rows_keep_their_own_record(tiny_target):
         engine.add(Request(p, 30))
     for _ in range(6):
         engine.step()
-    rows = [r for r in engine.batch.rows if r.hits[0] > 0]
+    rows = [r.estimate for r in engine.batch.rows if r.estimate.hits[0] > 0]
     assert rows and all(r.hits[0] > r.hits[1] == 0 for r in rows)
     for r in rows:
-        if r.raw_survival is not None:
-            assert bool((r.survival < r.raw_survival).all())
+        if r.raw is not None:
+            assert bool((r.survival < r.raw).all())
 
 
 def test_consume_many_equals_consume_per_row(tiny_target):

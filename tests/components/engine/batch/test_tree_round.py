@@ -18,7 +18,7 @@ def test_lone_greedy_row_drafts_trees_losslessly(tiny_target, greedy_refs, max_b
     """max_batch 1: every round after a prefill is a tree; 3: trees only once one row is left
     (requests join between, so the ragged cache goes from tree rounds back to chains)."""
     drafter = random_drafter(tiny_target, "dspark")
-    budget = SpeculativeEngine(tiny_target, drafter).num_speculative_tokens + 5
+    budget = SpeculativeEngine(tiny_target, drafter).settings.num_speculative_tokens + 5
     engine = BatchEngine(tiny_target, drafter, max_batch_size=max_batch, tree_budget=budget, tree_builder=builder)
     got = engine.generate(requests(tiny_target))
     assert [r.tokens for r in got] == greedy_refs

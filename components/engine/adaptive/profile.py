@@ -1,7 +1,7 @@
 """Profiled round times of the batch engine: the seconds of one whole round, drafting, the
 verify pass, acceptance and cache bookkeeping included, per batch size B and draft cap G.
 
-The adaptive draft-length policy (``engine.schedule.AdaptiveDraftLength``) needs the price of
+The adaptive draft-length policy (``policy.AdaptiveDraftLength``) needs the price of
 every (B, G) it may pick before it has played it. A curve of the target's forward time alone,
 ``T(B·(G+1))``, misses what grows with G besides the forward: the drafter's own pass, the
 per-row verification, the drafter consuming the verified states, the holes and compactions of
@@ -22,7 +22,11 @@ but the rounds' holes and compactions depend on it: on random prompts a small ta
 loops and a trained drafter follows, near real traffic there; for a target that does not loop,
 the rounds are priced as rounds that draft in vain. ``stored_round_times`` keeps a profile in
 a JSON file and reuses it for the same target, drafter, engine settings and host threads.
-Knows the batch engine's public API only.
+``profile_forward_time`` is the cheaper table the policy falls back on: the target's forward
+alone, T(n).
+
+Runs models: the batch engine through its public API (``BatchEngine``, ``Request``) over an
+``EngineSettings``, the target's ``forward``; nothing about rules, drafter families or HTTP.
 """
 
 from __future__ import annotations
@@ -40,72 +44,58 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from components.engine.adaptive.times import RoundTimes
 from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.state import Request
+from components.engine.core import sync_device
+from components.engine.settings import EngineSettings, resolve_settings
+from components.spec.cost import ProfileTable
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
-_PROFILER_ARGS = ("context", "rounds", "seed")  # profile_round_times' own, not the engine's
 
 
-@dataclass
-class RoundTimes:
-    """Seconds of one engine round per (batch size, cap): a measured grid, interpolated.
+DEFAULT_PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-    Between profiled batch sizes the seconds are linear in B; above the largest they grow in
-    proportion to B (each row brings its own tokens); a cap above the largest profiled one is
-    held at it."""
 
-    batch_sizes: list[int]  # increasing
-    seconds: Tensor  # [len(batch_sizes), max_cap + 1] float64
-
-    def __post_init__(self) -> None:
-        self.seconds = torch.as_tensor(self.seconds, dtype=torch.float64)
-        if self.seconds.dim() != 2 or self.seconds.shape[0] != len(self.batch_sizes) or not self.batch_sizes:
-            raise ValueError(f"RoundTimes: seconds {tuple(self.seconds.shape)} does not match "
-                             f"{len(self.batch_sizes)} batch sizes")
-        if any(b <= a for a, b in zip(self.batch_sizes, self.batch_sizes[1:])) or self.batch_sizes[0] < 1:
-            raise ValueError(f"RoundTimes: batch sizes must be increasing and >= 1, got {self.batch_sizes}")
-
-    @property
-    def max_cap(self) -> int:
-        return self.seconds.shape[1] - 1
-
-    def row(self, batch_size: int, max_cap: int | None = None) -> Tensor:
-        """[max_cap + 1] float64: the seconds of every cap 0..max_cap (default: the profiled
-        ones) at ``batch_size``, interpolated in B; caps above the profile's are held at its last."""
-        sizes, b = self.batch_sizes, float(batch_size)
-        if b >= sizes[-1]:
-            row = self.seconds[-1] * (b / sizes[-1])
-        elif b <= sizes[0]:
-            row = self.seconds[0]
-        else:
-            hi = next(i for i, s in enumerate(sizes) if s >= b)
-            t = (b - sizes[hi - 1]) / (sizes[hi] - sizes[hi - 1])
-            row = self.seconds[hi - 1] + t * (self.seconds[hi] - self.seconds[hi - 1])
-        caps = torch.arange((self.max_cap if max_cap is None else int(max_cap)) + 1).clamp_max(self.max_cap)
-        return row[caps]
-
-    def __call__(self, batch_size: int, cap: int) -> float:
-        return float(self.row(batch_size)[min(max(int(cap), 0), self.max_cap)])
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"batch_sizes": list(self.batch_sizes), "seconds": self.seconds.tolist()}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RoundTimes:
-        return cls([int(b) for b in data["batch_sizes"]], torch.tensor(data["seconds"], dtype=torch.float64))
+@torch.no_grad()
+def profile_forward_time(target: Any, sizes: tuple[int, ...] = DEFAULT_PROFILE_SIZES, context: int = 64,
+                         reps: int = 5) -> ProfileTable:
+    """T(n): median seconds of one target forward over n new tokens (as ``n/16`` rows of up to
+    16 tokens) on top of a ``context``-token cache per row, made non-decreasing in n (a wider
+    pass never costs less; timing noise on a busy host would otherwise invert neighbours) by
+    taking the smallest time measured at n or above.
+    Measured on ``target`` as it is."""
+    dev, times = target.device, []
+    for n in sizes:
+        rows = max(1, n // 16) if n >= 16 else 1
+        width = -(-n // rows)
+        prefix = torch.randint(0, target.vocab_size, (rows, context), device=dev)
+        new = torch.randint(0, target.vocab_size, (rows, width), device=dev)
+        samples = []
+        for _ in range(reps + 1):
+            cache = target.forward(prefix, use_cache=True).cache
+            sync_device(dev)
+            t0 = time.perf_counter()
+            target.forward(new, cache=cache, use_cache=True)
+            sync_device(dev)
+            samples.append(time.perf_counter() - t0)
+        times.append(sorted(samples[1:])[reps // 2])
+    # T(n) = min over m ≥ n of the measured T(m): robust to a slow early (cold) measurement
+    monotone = torch.tensor(times, dtype=torch.float64).flip(0).cummin(dim=0).values.flip(0)
+    return ProfileTable(list(sizes), monotone)
 
 
 class _PinnedCap:
     """A draft-length policy whose cap the profiler sets between rounds."""
 
+    adapts = True  # asked every round, as an adaptive policy is (the rounds timed are those it plays)
     calibrate = False
 
     def __init__(self) -> None:
         self.value = 0
 
-    def empirical_survival(self, gamma: int) -> Tensor:
-        return torch.ones(gamma, dtype=torch.float64)
+    def empirical_survival(self, max_cap: int) -> Tensor:
+        return torch.ones(max_cap, dtype=torch.float64)
 
     def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int:
         return min(self.value, max_cap)
@@ -137,20 +127,22 @@ def _fill_caps(measured: dict[int, float], max_cap: int) -> list[float]:
 
 @torch.no_grad()
 def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                        context: int = 64, rounds: int = 4, seed: int = 0, **engine_kwargs: Any) -> RoundTimes:
+                        settings: EngineSettings | None = None, context: int = 64, rounds: int = 4,
+                        seed: int = 0) -> RoundTimes:
     """Median seconds of ``rounds`` engine rounds (after one warm-up) for every batch size in
     ``batch_sizes`` and every cap 0..γ·stages of ``drafter`` (past γ: ``profiled_caps``, the rest
-    interpolated); ``engine_kwargs`` configure the ``BatchEngine`` as it will serve (DLoop
-    stages, carryover, ...)."""
+    interpolated), the ``BatchEngine`` drafting by ``settings`` as it will serve (DLoop stages,
+    carryover, ...; default: ``resolve_settings(drafter)``)."""
     if drafter is None:
         raise ValueError("profile_round_times needs a drafter: without one every round is plain")
+    settings = settings or resolve_settings(drafter)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for bsz in sorted({int(b) for b in batch_sizes}):
         pinned = _PinnedCap()
-        engine = BatchEngine(target, drafter, max_batch_size=bsz, draft_length=pinned, **engine_kwargs)
-        caps = profiled_caps(engine.max_cap, engine.num_speculative_tokens)
-        budget = len(caps) * (rounds + 1) * (engine.max_cap + 1) + 2  # no request ends early
+        engine = BatchEngine(target, drafter, max_batch_size=bsz, draft_length=pinned, settings=settings)
+        caps = profiled_caps(settings.max_cap, settings.num_speculative_tokens)
+        budget = len(caps) * (rounds + 1) * (settings.max_cap + 1) + 2  # no request ends early
         for _ in range(bsz):
             prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
             engine.add(Request(prompt, budget))
@@ -163,7 +155,7 @@ def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = 
                 engine.step()
                 if rep:  # the first pass warms every width up
                     samples[i].append(time.perf_counter() - t0)
-        row = _fill_caps({cap: statistics.median(x) for cap, x in zip(caps, samples)}, engine.max_cap)
+        row = _fill_caps({cap: statistics.median(x) for cap, x in zip(caps, samples)}, settings.max_cap)
         for request_id in engine.running:
             engine.cancel(request_id)
         engine.step()
@@ -174,17 +166,16 @@ def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = 
     return RoundTimes(sorted({int(b) for b in batch_sizes}), seconds)
 
 
-def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], settings: EngineSettings,
+                context: int = 64, rounds: int = 4, seed: int = 0) -> dict[str, Any]:
     """What a stored profile was measured for: target, drafter (its declared ``identity()`` and
-    the engine's largest cap), batch sizes, engine settings (as given, and the KV cache kind),
-    device, dtype and threads. A profile is only reused for an equal key."""
-    engine = BatchEngine(target, drafter, **{k: v for k, v in engine_kwargs.items() if k not in _PROFILER_ARGS})
+    the largest cap), batch sizes, engine settings, how it was timed, device, dtype and threads.
+    A profile is only reused for an equal key."""
     return {"target": str(getattr(target, "name_or_path", type(target).__name__)),
-            "drafter": f"{drafter.identity()}:{engine.max_cap}",
+            "drafter": f"{drafter.identity()}:{settings.max_cap}",
             "batch_sizes": sorted({int(b) for b in batch_sizes}),
-            "engine": {k: repr(v) for k, v in sorted(engine_kwargs.items())},
-            "kv_cache": "preallocated" if engine.preallocate else "dynamic", "device": str(target.device),
-            "dtype": str(target.dtype), "threads": torch.get_num_threads()}
+            "engine": settings.describe(), "timing": {"context": context, "rounds": rounds, "seed": seed},
+            "device": str(target.device), "dtype": str(target.dtype), "threads": torch.get_num_threads()}
 
 
 @dataclass
@@ -201,13 +192,15 @@ class StoredProfile:
 
 def stored_round_times(profile_dir: str | Path, target: Any, drafter: Any,
                        batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                       notice: Callable[[Path], None] | None = None, **engine_kwargs: Any) -> StoredProfile:
+                       notice: Callable[[Path], None] | None = None, settings: EngineSettings | None = None,
+                       context: int = 64, rounds: int = 4, seed: int = 0) -> StoredProfile:
     """The profile of this setting kept under ``profile_dir``, one file per ``profile_key`` (a
     serving replica, the eval stage and the benches share them): read when its key matches,
     else measured by ``profile_round_times`` (``notice(path)`` called first: it takes a while)
     and written there (to a temporary file, then renamed), so it is measured once per machine
     and setting."""
-    key = profile_key(target, drafter, batch_sizes, engine_kwargs)
+    settings = settings or resolve_settings(drafter)
+    key = profile_key(target, drafter, batch_sizes, settings, context, rounds, seed)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(profile_dir) / f"round-profile-{digest}.json"
     if path.is_file():
@@ -220,7 +213,7 @@ def stored_round_times(profile_dir: str | Path, target: Any, drafter: Any,
             return StoredProfile(stored, path, True)
     if notice is not None:
         notice(path)
-    times = profile_round_times(target, drafter, batch_sizes, **engine_kwargs)
+    times = profile_round_times(target, drafter, batch_sizes, settings, context, rounds, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"key": key, **times.to_dict()}, indent=1))

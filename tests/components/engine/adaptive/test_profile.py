@@ -8,16 +8,13 @@ import json
 import pytest
 import torch
 
+from components.engine.adaptive.policy import AdaptiveDraftLength
+from components.engine.adaptive.profile import profile_key, profile_round_times, stored_round_times
+from components.engine.adaptive.times import RoundTimes
 from components.engine.batch import BatchEngine
-from components.engine.batch.profile import (
-    RoundTimes,
-    profile_key,
-    profile_round_times,
-    stored_round_times,
-)
-from components.engine.schedule import AdaptiveDraftLength
+from components.engine.settings import resolve_settings
+from tests.components.engine.adaptive.test_policy import GAMMA, run_rounds
 from tests.components.engine.test_engine_greedy import random_drafter
-from tests.components.engine.test_schedule import GAMMA, run_rounds
 
 
 def test_profile_covers_every_batch_size_and_cap(tiny_target):
@@ -113,7 +110,7 @@ def test_without_confidences_the_policy_climbs_past_the_caps_it_has_seen():
 
 
 def test_dloop_caps_are_timed_at_each_stages_ends_and_interpolated_between():
-    from components.engine.batch.profile import _fill_caps, profiled_caps
+    from components.engine.adaptive.profile import _fill_caps, profiled_caps
 
     assert profiled_caps(21, 7) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 14, 15, 21]
     assert profiled_caps(7, 7) == list(range(8)) and profiled_caps(5, 2) == [0, 1, 2, 3, 4, 5]
@@ -123,9 +120,9 @@ def test_dloop_caps_are_timed_at_each_stages_ends_and_interpolated_between():
 
 def test_a_dloop_profile_covers_every_cap_of_every_stage(tiny_target):
     drafter = random_drafter(tiny_target, "dspark")
-    engine = BatchEngine(tiny_target, drafter, num_speculative_tokens=3, loop_stages=3, loop_gate=float("-inf"))
-    table = profile_round_times(tiny_target, drafter, batch_sizes=(1,), context=8, rounds=1,
-                                num_speculative_tokens=3, loop_stages=3, loop_gate=float("-inf"))
+    settings = resolve_settings(drafter, num_speculative_tokens=3, loop_stages=3, loop_gate=float("-inf"))
+    engine = BatchEngine(tiny_target, drafter, settings=settings)
+    table = profile_round_times(tiny_target, drafter, batch_sizes=(1,), settings=settings, context=8, rounds=1)
     assert engine.max_cap == 9 and tuple(table.seconds.shape) == (1, 10) and bool((table.seconds > 0).all())
     assert bool((table.seconds[0, 1:] >= table.seconds[0, :-1]).all())  # a wider cap never costs less
 
@@ -138,6 +135,7 @@ def test_profiles_of_different_drafters_are_kept_apart(tiny_target, tmp_path):
 
     small = random_drafter(tiny_target, "dspark")
     wider = build_drafter(DrafterConfig(name="dspark", num_layers=2), tiny_target).eval()
-    keys = [json.dumps(profile_key(tiny_target, d, (1,), {}), sort_keys=True) for d in (small, wider)]
+    keys = [json.dumps(profile_key(tiny_target, d, (1,), resolve_settings(d)), sort_keys=True) for d in (small, wider)]
     assert len(set(keys)) == 2
-    assert profile_key(tiny_target, small, (1,), {"loop_stages": 2}) != profile_key(tiny_target, small, (1,), {})
+    assert profile_key(tiny_target, small, (1,), resolve_settings(small, loop_stages=2)) \
+        != profile_key(tiny_target, small, (1,), resolve_settings(small))

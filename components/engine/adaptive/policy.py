@@ -33,7 +33,7 @@ per second. Maximising the share of its work the slowest row gets done per secon
 would ignore that the batch shrinks as rows finish.
 
 Better than T(n) and those means, where it can be afforded: ``round_time``, the engine's whole
-round profiled per (B, G) before serving (``batch.profile.profile_round_times``); time(G) is then
+round profiled per (B, G) before serving (``profile.profile_round_times``); time(G) is then
 read from it, and what drafting and bookkeeping really cost at each width is known from the
 first round instead of learned at a loss in every batch size.
 
@@ -63,63 +63,35 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   time at that batch size is measured: their tokens are certain, so a try could only refresh
   the time.
 
-Knows timings and acceptance numbers only; nothing about models, rules or caches.
+Knows timings and acceptance numbers only (a forward-time table, ``times.RoundTimes``); nothing
+about models, rules or caches: what times them is ``profile.py``, what feeds them per row
+``rows.py``.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from components.engine.adaptive.times import RoundTimes
 from components.spec.cost import ProfileTable
-
-DEFAULT_PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-@torch.no_grad()
-def profile_forward_time(target: Any, sizes: tuple[int, ...] = DEFAULT_PROFILE_SIZES, context: int = 64,
-                         reps: int = 5) -> ProfileTable:
-    """T(n): median seconds of one target forward over n new tokens (as ``n/16`` rows of up to
-    16 tokens) on top of a ``context``-token cache per row, made non-decreasing in n (a wider
-    pass never costs less; timing noise on a busy host would otherwise invert neighbours) by
-    taking the smallest time measured at n or above.
-    Measured on ``target`` as it is."""
-    dev, times = target.device, []
-    for n in sizes:
-        rows = max(1, n // 16) if n >= 16 else 1
-        width = -(-n // rows)
-        prefix = torch.randint(0, target.vocab_size, (rows, context), device=dev)
-        new = torch.randint(0, target.vocab_size, (rows, width), device=dev)
-        samples = []
-        for _ in range(reps + 1):
-            cache = target.forward(prefix, use_cache=True).cache
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            target.forward(new, cache=cache, use_cache=True)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            samples.append(time.perf_counter() - t0)
-        times.append(sorted(samples[1:])[reps // 2])
-    # T(n) = min over m ≥ n of the measured T(m): robust to a slow early (cold) measurement
-    monotone = torch.tensor(times, dtype=torch.float64).flip(0).cummin(dim=0).values.flip(0)
-    return ProfileTable(list(sizes), monotone)
 
 
 class DraftLengthPolicy(Protocol):
     """What the batch engine asks of a draft-length policy, once per round: ``cap`` before
     drafting (survival [B, ≥max_cap] per speculating row; ``remaining`` tokens per row when
     nothing waits to join), ``observe`` after the round; ``empirical_survival`` for rows
-    without fresh confidences; ``calibrate``: whether rows' estimates should be scaled by their
-    own record of accepted against predicted drafts."""
+    without fresh confidences. Declared: ``adapts`` (False: the cap is always the largest, and
+    no survival estimate is wanted), ``calibrate`` (rows' estimates scaled by their own record of
+    accepted against predicted drafts, ``rows.RowSurvival``)."""
 
+    adapts: bool
     calibrate: bool
 
-    def empirical_survival(self, gamma: int) -> Tensor: ...
+    def empirical_survival(self, max_cap: int) -> Tensor: ...
 
     def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int: ...
 
@@ -130,12 +102,13 @@ class DraftLengthPolicy(Protocol):
 class FixedDraftLength:
     """Always the engine's γ (times its DLoop stages)."""
 
+    adapts = False  # the batch engine asks for no estimate: the cap is max_cap
     calibrate = False  # no per-request survival estimates wanted
 
-    def empirical_survival(self, gamma: int) -> Tensor:  # [γ] unused: the cap is always γ
-        return torch.ones(gamma, dtype=torch.float64)
+    def empirical_survival(self, max_cap: int) -> Tensor:  # [max_cap] unused: the cap is always max_cap
+        return torch.ones(max_cap, dtype=torch.float64)
 
-    def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int:  # survival [B, γ]
+    def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int:  # survival [B, max_cap]
         return max_cap
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
@@ -149,7 +122,7 @@ class AdaptiveDraftLength:
     against the clock (module docstring)."""
 
     forward_time: ProfileTable | None = None  # seconds of a target pass over n tokens
-    round_time: Any = None  # profiled seconds of a whole round, (B, G) -> s (``batch.profile.RoundTimes``)
+    round_time: RoundTimes | None = None  # profiled seconds of a whole round, (B, G) -> s
     draft_seconds: float = 0.0  # running mean per drafting round (learned from observe)
     scale: float = 1.0  # measured forward seconds / T(n) (running mean)
     overhead: float = 0.0  # seconds per round outside drafting and the target forward (running mean)
@@ -162,6 +135,7 @@ class AdaptiveDraftLength:
     reach_counts: list[float] = field(default_factory=list)  # per position: drafted and reached
     last_choice: int = -1
     rounds_seen: int = 0
+    adapts = True  # a class attribute: the cap is chosen per round
     calibrate: bool = True  # survival calibration and measured round times (module docstring)
     calibration_ema: float = 0.3
     recheck: int = 32  # most rounds per batch-size bucket between re-tries of the side not chosen
@@ -181,14 +155,14 @@ class AdaptiveDraftLength:
         if self.forward_time is None and self.round_time is None:
             raise ValueError("AdaptiveDraftLength needs a forward_time table or a round_time profile")
 
-    def empirical_survival(self, gamma: int, prior: float = 2.0) -> Tensor:  # [γ]
+    def empirical_survival(self, max_cap: int, prior: float = 2.0) -> Tensor:  # [max_cap]
         """P(first k drafts accepted) from the acceptance seen so far: per position k,
         α_k = (accepted_k + m·α_{k-1}) / (reached_k + m), m = ``prior`` pseudo-rounds, α_0's prior
         ``first_guess``. A position never reached (capped below it so far) inherits the one before, so a
         drafter accepting well at the first positions is expected to go on doing so, and caps
         above those played so far stay worth trying."""
         alphas, prev = [], self.first_guess
-        for k in range(gamma):
+        for k in range(max_cap):
             acc, reach = (self.accept_counts[k], self.reach_counts[k]) if k < len(self.reach_counts) else (0.0, 0.0)
             prev = (acc + prior * prev) / (reach + prior)
             alphas.append(prev)
@@ -356,8 +330,8 @@ class AdaptiveDraftLength:
         if not drafted or len(drafted) != raw.shape[0]:
             return  # rows changed between cap and observe: skip rather than misalign
         cond = _conditional(raw)  # raw: clamped and non-increasing already (``cap``)
-        gamma = max(drafted)
-        while len(self.predicted_hits) < gamma:
+        deepest = max(drafted)
+        while len(self.predicted_hits) < deepest:
             self.predicted_hits.append(0.0)
             self.observed_hits.append(0.0)
         for j in range(len(self.predicted_hits)):
@@ -373,10 +347,10 @@ class AdaptiveDraftLength:
 
 
 def _row_tokens(survival: Tensor, left: Tensor) -> Tensor:
-    """survival [B, γ], tokens left per row [B] → [B, γ+1]: per cap G, each row's expected
+    """survival [B, G], tokens left per row [B] → [B, G+1]: per cap G, each row's expected
     tokens in one round, 1 + Σ_{k ≤ min(G, left-1)} a_k (drafts past its end are cut)."""
-    gamma = survival.shape[1]
-    ks = torch.arange(1, gamma + 1, dtype=torch.float64)  # [γ]
+    width = survival.shape[1]
+    ks = torch.arange(1, width + 1, dtype=torch.float64)  # [G]
     usable = survival * (ks[None, :] <= (left[:, None] - 1))
     return torch.cat([torch.ones(survival.shape[0], 1, dtype=torch.float64), 1 + usable.cumsum(dim=1)], dim=1)
 
@@ -391,10 +365,3 @@ def _conditional(survival: Tensor) -> Tensor:
 def _bucket(batch_size: int) -> int:
     """Batch sizes share corrections by power of two: 1, 2, 3-4, 5-8, ..."""
     return 1 << max(0, int(batch_size) - 1).bit_length()
-
-
-def survival_from_confidences(confidences: Tensor | None) -> Tensor | None:
-    """Confidence-head outputs [1, γ] (P(draft k accepted | prefix accepted)) → survival [1, γ]."""
-    if confidences is None:
-        return None
-    return confidences.double().clamp(0, 1).cumprod(dim=-1)

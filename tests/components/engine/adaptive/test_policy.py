@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from components.engine.schedule import AdaptiveDraftLength, FixedDraftLength
+from components.engine.adaptive.policy import AdaptiveDraftLength, FixedDraftLength
 from components.spec.cost import ProfileTable
 
 GAMMA = 7
@@ -99,7 +99,7 @@ def test_draining_batch_counts_on_easy_rows_leaving():
     """A closed batch of 16 with 4 hard rows: easy rows finish early at a deep cap and the rounds
     after them are cheaper (round time grows with the rows), so the policy drafts deeper than for
     16 hard rows, where nobody leaves early; it picks the cap of the least expected time."""
-    from components.engine.batch.profile import RoundTimes
+    from components.engine.adaptive.times import RoundTimes
 
     sizes = [1, 4, 8, 16]
     table = RoundTimes(sizes, torch.tensor([[0.015 + 0.0025 * b * (1 + 0.25 * g) for g in range(GAMMA + 1)]
@@ -120,7 +120,7 @@ def test_draining_batch_follows_the_row_that_finishes_last():
     costing 3.5 plain rounds: for tokens per second drafting wins; for a batch that is draining
     (no request waiting), the poor row would need about as many rounds as plain decoding, each
     3.5 times dearer, so the policy plays plain rounds. At batch 1 both objectives agree."""
-    from components.engine.batch.profile import RoundTimes
+    from components.engine.adaptive.times import RoundTimes
 
     seconds = [0.037] + [0.037 * (1 + 2.5 * g / GAMMA) for g in range(1, GAMMA + 1)]
     table = RoundTimes([16], torch.tensor([seconds]))

@@ -1,0 +1,114 @@
+"""What every engine shares: the drafter protocol the engines need, the records of a sequence
+and of a generation, and small helpers (randomness, positions, cache cropping, device sync).
+
+Invariant between rounds, for committed tokens x_0..x_{n-1}: the target cache and the drafter
+state hold n-1 positions; x_{n-1} (the last emitted token) has not been through the target.
+So a generation of R rounds costs exactly R + 1 target forwards.
+
+Knows nothing about rules' verification, the shape of a round (``chain.py``, ``tree.py``),
+batching or tokenization (token id lists in and out); drafter families only through the
+protocol ``EngineDrafter`` below, which ``components.drafters.base.Drafter`` implements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from components.drafters.base import Proposal
+from components.drafters.capabilities import Capability
+from components.engine.rules import RoundRandomness
+from components.spec.sampling import SamplingParams
+
+
+class EngineDrafter(Protocol):
+    """What the engines need from a drafter (``components.drafters.base.Drafter`` has it)."""
+
+    layer_ids: Sequence[int]  # target taps to capture (may be empty)
+    num_speculative_tokens: int  # the drafter's default γ
+
+    def init_state(self, batch_size: int) -> Any: ...
+    def consume(self, state: Any, tokens: Tensor, hidden: Tensor | None) -> Any: ...
+    def propose(self, state: Any, last_token: Tensor, sampling: SamplingParams = ...,
+                generator: torch.Generator | None = ..., num_speculative_tokens: int | None = ...) -> Proposal: ...
+    def capabilities(self) -> frozenset[Capability]: ...
+    def identity(self) -> str: ...  # what stored measurements (round profiles) of it are keyed by
+
+    # Declared, not probed (``components.drafters.capabilities``): ``OWN_CONTEXT`` (``consume_own``)
+    # for loop_stages > 1 and ``CARRYOVER`` (``with_carry``) for carryover=True are required when
+    # the settings are resolved (``settings.py``); ``BATCHED_PROPOSE``/``BATCHED_CONSUME`` are the
+    # batch engine's fast paths.
+
+
+@dataclass
+class GenerationResult:
+    """One request's output and what it cost."""
+
+    tokens: list[int]  # the new tokens (prompt excluded): max_new_tokens of them unless stopped early
+    rounds: int = 0  # draft-verify rounds (target-only: decoding steps)
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per drafting round
+    drafted: list[int] = field(default_factory=list)  # draft tokens verified per drafting round (num_drafts)
+    carried: list[int] = field(default_factory=list)  # carryover rows the round's first block read
+    target_forwards: int = 0  # target forward passes, prefill included
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0  # verify + accept (target forward, rule, cache crop, consume)
+    total_seconds: float = 0.0
+    finish_reason: str = "length"  # "length" | "stop" (a stop token, kept) | "cancelled"
+
+    def add_round(self, accepted: int | None = None, num_drafts: int = 0, carried: int = 0) -> None:
+        """Counts one round (one target forward); a drafting round (``accepted`` given) also
+        its acceptance, the drafts it verified and the carryover rows it read."""
+        self.rounds += 1
+        self.target_forwards += 1
+        if accepted is None:
+            return
+        self.accepted.append(accepted)
+        self.drafted.append(num_drafts)
+        self.carried.append(carried)
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length τ: mean tokens emitted per round (accepted + 1)."""
+        return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+
+
+@dataclass
+class SequenceState:
+    """One request's running state between rounds (see the invariant in the module docstring)."""
+
+    cache: Any  # the target's KV cache, n-1 positions (None for a row of a batch: the batch holds it)
+    draft_state: Any  # the drafter's state, n-1 positions (None: plain decoding)
+    last_token: Tensor  # [1] long, x_{n-1}
+    length: int  # n: committed tokens, prompt included
+    new_tokens: list[int]
+    carry_rows: int = 0  # carryover rows in draft_state (rejected drafts of the last round)
+
+
+def sync_device(device: torch.device) -> None:
+    """Waits for queued GPU work, so that wall-clock timings cover it (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def new_randomness(sampling: SamplingParams, seed: int, device: torch.device) -> RoundRandomness:
+    """One request's sources of randomness: a generator seeded with ``seed`` and its Gumbel seed."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return RoundRandomness(sampling, gen, torch.tensor([seed], dtype=torch.long, device=device))
+
+
+def positions(start: int, count: int, device: torch.device) -> Tensor:  # → [1, count] long
+    """The absolute positions start..start+count-1 of one sequence."""
+    return torch.arange(start, start + count, device=device).unsqueeze(0)
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Drops every cached position from ``length`` on (HF caches: ``crop(-n)`` removes n, in
+    transformers 4.x and 5.x alike; 5.x refuses a positive absolute length)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)

@@ -1,0 +1,37 @@
+"""Which acceptance rules exist and where each may verify, as a table light enough for the
+config to read (no torch).
+
+The rules themselves (``components.engine.rules``) declare the same facts on their objects and
+do the work; ``tests/components/engine/test_rules.py`` checks that this table says what they
+declare, so a new rule is one class there and one line here. Knows rule names and uses only;
+nothing about tensors, models or how a rule verifies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuleUse:
+    """Where a rule may be used."""
+
+    samples: bool  # draws from the target's distribution (temperature > 0); greedy does not
+    trees: bool  # verifies a token tree (the batch-1 tree engine)
+    batched_trees: bool  # in a tree its output does not depend on the drafts: the batch engine's lone row may use one
+
+
+RULE_USES: dict[str, RuleUse] = {
+    "greedy": RuleUse(samples=False, trees=True, batched_trees=True),
+    "gumbel": RuleUse(samples=True, trees=True, batched_trees=True),
+    "speculative": RuleUse(samples=True, trees=True, batched_trees=False),
+    "block": RuleUse(samples=True, trees=False, batched_trees=False),
+}
+
+
+def rules_where(samples: bool | None = None, trees: bool | None = None,
+                batched_trees: bool | None = None) -> list[str]:
+    """The rule names (in table order) whose uses match every flag given."""
+    wanted = {k: v for k, v in (("samples", samples), ("trees", trees), ("batched_trees", batched_trees))
+              if v is not None}
+    return [name for name, use in RULE_USES.items() if all(getattr(use, k) == v for k, v in wanted.items())]
