@@ -2,7 +2,7 @@
 
 * ``protocol``  -- request bodies → checked ``GenerateParams``, or an ``APIError`` naming the field;
 * ``responses`` -- completion / chat bodies, SSE chunks, per-request speculative statistics;
-* ``decode``    -- token ids → text deltas, stop strings matched across tokens, never leaked;
+* ``detokenizer`` -- token ids → text deltas, stop strings matched across tokens, never leaked;
 * ``replica``   -- one engine's admission (overload → 503/429 + Retry-After), generation, health;
 * ``parts``     -- target, drafter and batch engine from the config (adaptive cap, stored profile);
 * ``fallback``  -- a drafter wrapper: a drafter failure turns the affected requests plain, losslessly;

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from components.engine import AsyncEngine, EngineError, Request
-from components.serving.decode import TextStream
+from components.serving.detokenizer import TextStream
 from components.serving.parts import EngineParts
 from components.serving.protocol import APIError, GenerateParams, Served
 from components.serving.responses import Outcome, SpecStats

@@ -1,4 +1,4 @@
-"""Token ids → text deltas for one streamed generation, with stop strings.
+"""Incremental detokenization: token ids → text deltas for one streamed generation, with stop strings.
 
 ``TextStream.push(tokens)`` takes each round's new tokens and returns the text that may be sent
 now. Text is decoded from all tokens so far (so a character split over two byte-level tokens
