@@ -10,8 +10,9 @@ field path (``messages[1].content``), 404 for an unknown model, not FastAPI's 42
 
 Prompts are tokenized here (a string, token ids, or messages through the target's chat
 template) because their length decides errors: an empty prompt, a prompt past the context,
-``max_tokens`` past what is left of it, token ids outside the vocabulary. Knows the OpenAI
-schema, a tokenizer and the context length; nothing about the engine, HTTP or Ray.
+``max_tokens`` past what is left of it, token ids outside the vocabulary; so are the bodies of
+vLLM's ``/tokenize`` and ``/detokenize``. Knows the OpenAI schema, a tokenizer and the context
+length; nothing about the engine, HTTP or Ray.
 """
 
 from __future__ import annotations
@@ -110,9 +111,9 @@ def parse_request(kind: str, body: dict[str, Any], served: Served) -> GeneratePa
     _check_model(body, served)
     prompt_ids = _completion_prompt(body, served) if kind == "completion" else _chat_prompt(body, served)
     stream = _typed(body, "stream", bool, False)
-    params = GenerateParams(kind, prompt_ids, _max_tokens(kind, body, len(prompt_ids), served), stream=stream,
-                            **_sampling(body, served.vocab_size), **_stops(body, served), **_options(body, stream))
-    return params
+    max_tokens = _max_tokens(kind, body, len(prompt_ids), served)
+    return GenerateParams(kind, prompt_ids, max_tokens, stream=stream, **_sampling(body, served.vocab_size),
+                          **_stops(body, served), **_options(body, stream))
 
 
 # ----------------------------------------------------------------------------- fields
@@ -295,6 +296,11 @@ def _chat_prompt(body: dict[str, Any], served: Served) -> list[int]:
         raise APIError(400, "'messages' is required", param="messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of messages", param="messages")
+    return _check_prompt_len(_templated(messages, served), served, "messages")
+
+
+def _templated(messages: list[Any], served: Served) -> list[int]:
+    """Checked messages through the target's chat template, with the assistant turn opened."""
     turns = [message_text(m, i) for i, m in enumerate(messages)]
     if getattr(served.tokenizer, "chat_template", None) is None:
         raise APIError(400, f"the model '{served.model}' has no chat template; use /v1/completions",
@@ -302,4 +308,32 @@ def _chat_prompt(body: dict[str, Any], served: Served) -> list[int]:
     ids = served.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in some transformers versions
         ids = ids["input_ids"]
-    return _check_prompt_len(list(ids), served, "messages")
+    return list(ids)
+
+
+# ----------------------------------------------------------------------------- tokenizer routes
+def tokenize_request(body: dict[str, Any], served: Served) -> dict[str, Any]:
+    """``/tokenize`` as vLLM's: ``{"prompt"}`` or ``{"messages"}`` → ``{"count", "max_model_len", "tokens"}``."""
+    if ("prompt" in body) == ("messages" in body):
+        raise APIError(400, "give exactly one of 'prompt' (a string) or 'messages'", param="prompt")
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise APIError(400, "'add_special_tokens' must be a boolean", param="add_special_tokens")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise APIError(400, "'prompt' must be a string", param="prompt")
+        tokens = list(served.tokenizer.encode(body["prompt"], add_special_tokens=special))
+    else:
+        msgs = body["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise APIError(400, "'messages' must be a non-empty list of messages", param="messages")
+        tokens = _templated(msgs, served)
+    return {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
+
+
+def detokenize_request(body: dict[str, Any], served: Served) -> dict[str, Any]:
+    """``/detokenize`` as vLLM's: ``{"tokens"}`` → ``{"prompt"}``."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < served.vocab_size for t in tokens):
+        raise APIError(400, f"'tokens' must be a list of token ids in [0, {served.vocab_size})", param="tokens")
+    return {"prompt": served.tokenizer.decode(tokens)}

@@ -63,9 +63,12 @@ class Outcome:
         return {"spec_decode": self.spec.to_dict(), "drafter": self.drafter, "speculate": self.speculate}
 
     def usage(self) -> dict[str, int]:
-        done = len(self.token_ids)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done}
+        return usage(self.prompt_tokens, len(self.token_ids))
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _head(request_id: str, model: str, kind: str, chunk: bool) -> dict[str, Any]:
@@ -111,6 +114,14 @@ def usage_chunk(request_id: str, model: str, params: GenerateParams, out: Outcom
     """The extra last chunk of ``stream_options.include_usage``: no choices, the usage."""
     return _head(request_id, model, params.kind, chunk=True) | {"choices": [], "usage": out.usage(),
                                                                 "specline": out.specline()}
+
+
+def model_card(model: str, max_model_len: int, drafter: dict[str, Any] | None,
+               engine: dict[str, Any]) -> dict[str, Any]:
+    """The ``/v1/models`` body: the served model, its drafter and the engine's settings."""
+    return {"object": "list", "data": [{
+        "id": model, "object": "model", "created": int(time.time()), "owned_by": "specline",
+        "max_model_len": max_model_len, "specline": {"drafter": drafter, "engine": engine}}]}
 
 
 def sse(data: dict[str, Any] | str) -> str:

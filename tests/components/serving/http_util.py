@@ -56,3 +56,23 @@ def wait_for(check, timeout: float, every: float = 0.2) -> Any:
             return got
         time.sleep(every)
     return None
+
+
+def asgi_status(app: Any, method: str, path: str, headers: dict[str, str] | None = None) -> int:
+    """The status an ASGI ``app`` answers a bodiless request with, called in this process."""
+    import asyncio
+
+    sent: list[dict] = []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")

@@ -115,9 +115,9 @@ def test_a_failure_anywhere_in_the_drafter_is_lossless(kind, tiny_target_cfg, ti
             assert replica.healthy and replica.admitted == 0, name
             reached += [name] * (fault.calls > 0)
         assert _serve(replica, prompts, lone) == expected  # the real drafter again for new requests
-        replica.poll_metrics()
+        replica.counters.export()
         assert replica.metrics.value("specline:spec_decode_fallbacks") >= len(reached) > 0
-        replica.check_health()
+        replica.life.check_health()
     finally:
         replica.shutdown()
     must = {"chain": {"propose_many", "consume_many"}, "dloop": {"consume_own"}, "carryover": {"with_carry"},

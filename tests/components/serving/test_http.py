@@ -1,7 +1,8 @@
 """The Serve app end to end on loopback (one app for the module): the official ``openai``
 client, ≥16 concurrent mixed requests with greedy output equal to the target's own token for
 token and seeded sampling reproducible with and without speculation, every bad input's 4xx and
-body, the API key, stop strings in streams, overload answered within a second, a client
+body, the API key on every route of the app's table but the public ones, stop strings in
+streams, overload answered within a second, a client
 disconnect freeing its rows, the metrics, an engine-thread failure (503, then Serve's health
 check replaces the replica, whose successor answers 503 warming_up until warm) and a killed
 replica replaced.
@@ -187,12 +188,23 @@ def test_bad_requests_get_4xx_and_an_error_body(port):
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
 
 
-def test_api_key_is_enforced(port):
-    for key in (None, "wrong"):
-        status, body = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2}, key)
-        assert status == 401 and body["error"]["type"] == "authentication_error"
-    assert request(port, "GET", "/v1/models")[0] == 401
-    assert request(port, "GET", "/health")[0] == 200  # probes need no key
+def test_every_route_but_the_public_ones_needs_the_key(port):
+    """The app's own route table, walked over HTTP without a key, with a wrong one and with it."""
+    from components.serving.auth import PUBLIC
+    from tests.components.serving.test_auth import route_table
+
+    table = route_table()
+    assert {path for _, path in table} == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                                           "/tokenize", "/detokenize", "/metrics"}
+    for method, path in table:
+        body = {} if method == "POST" else None
+        for key in (None, "wrong"):
+            status, _, data = request(port, method, path, body, key)
+            if path in PUBLIC:
+                assert status != 401, (method, path)
+            else:
+                assert status == 401 and json.loads(data)["error"]["type"] == "authentication_error", (method, path)
+        assert request(port, method, path, body, KEY)[0] != 401, (method, path)
 
 
 def test_stop_string_ends_a_stream_without_leaking(port, tiny_target):
@@ -327,3 +339,4 @@ def test_killed_replica_is_replaced(port):
     ok = wait_for(lambda: post(port, "/v1/completions", {"prompt": "def", "max_tokens": 4}, KEY)[0] == 200,
                   timeout=90, every=1)
     assert ok, "requests still fail after the replica was replaced"
+

@@ -99,3 +99,4 @@ def test_defaults_and_chat_template(served, tiny_target):
     assert p.temperature == 1.0 and not p.stream and 0 <= p.seed  # a random seed when none is given
     q = parse_request("completion", {"prompt": ["one prompt"], "max_tokens": 3}, served)
     assert q.prompt_ids == tiny_target.tokenizer.encode("one prompt")
+
