@@ -7,7 +7,7 @@ dependency). Running the request to its first output before answering makes an o
 dead engine or a bad request an HTTP status rather than a broken stream; an error after a stream
 started goes out as an SSE ``data: {"error": ...}`` chunk, then ``[DONE]``. Streams carry, as
 vLLM's: the role first (chat), the deltas, the finish chunk, with ``include_usage`` a last
-chunk with the usage.
+chunk with the usage, and with ``continuous_usage_stats`` the usage so far on every chunk.
 
 Knows Starlette's request and response types, the replica's generator and the response bodies;
 nothing about routes or the engine.
@@ -87,14 +87,16 @@ async def collect(rid: str, model: str, params: GenerateParams, first: Delta | O
 async def events(rid: str, model: str, params: GenerateParams, first: Delta | Outcome,
                  gen: AsyncIterator[Delta | Outcome]) -> AsyncIterator[str]:
     """SSE chunks: (chat: the role first) deltas, the finish chunk, the usage chunk, [DONE]."""
+    prompt = len(params.prompt_ids)
     try:
         if params.kind == "chat":
-            yield rs.sse(rs.chunk(rid, model, params, "", first=True))
+            yield rs.sse(rs.chunk(rid, model, params, "", first=True, usage=rs.usage(prompt, 0)))
         item = first
         while not isinstance(item, Outcome):
-            yield rs.sse(rs.chunk(rid, model, params, item.text, item.token_ids))
+            usage = rs.usage(prompt, item.completion_tokens)
+            yield rs.sse(rs.chunk(rid, model, params, item.text, item.token_ids, usage=usage))
             item = await gen.__anext__()
-        yield rs.sse(rs.chunk(rid, model, params, "", [], out=item))
+        yield rs.sse(rs.chunk(rid, model, params, "", [], out=item, usage=item.usage()))
         if params.include_usage:
             yield rs.sse(rs.usage_chunk(rid, model, params, item))
     except APIError as err:  # the stream has started: the error is the next chunk

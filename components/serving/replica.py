@@ -15,6 +15,10 @@ and completed one short greedy generation (the first rounds' one-time costs are 
 traffic; its counters are not exported, ``counters.py``). A failed warm-up, or an
 ``EngineError`` in any stream, makes it dead for good.
 
+Stop tokens: the engine ends a request at its stop ids itself; with ``min_tokens`` the engine
+gets none and the detokenizer ends the output at the first stop id past ``min_tokens`` (the
+target's own tokens either way: earlier stop ids are generated, they just do not end it).
+
 Knows the engine's public API (``AsyncEngine``, ``Request``, ``EngineError``) and the protocol's
 records; not when or on which thread the warm-up runs (``app.py`` decides), nor how counters
 become metrics.
@@ -48,6 +52,7 @@ class Delta:
 
     text: str
     token_ids: list[int]
+    completion_tokens: int  # tokens of the output so far, these included
 
 
 class Replica:
@@ -129,13 +134,14 @@ class Replica:
         sampling = GREEDY if greedy else SamplingParams(
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         return Request(params.prompt_ids, params.max_tokens, sampling, params.seed,
-                       "greedy" if greedy else self.sampled_rule, params.stop_token_ids,
+                       "greedy" if greedy else self.sampled_rule, () if params.min_tokens else params.stop_token_ids,
                        speculate=params.speculate, request_id=request_id)
 
     def text_stream(self, params: GenerateParams) -> TextStream:
-        """The detokenizer of one output (stop strings)."""
+        """The detokenizer of one output: stop strings, and stop ids once ``min_tokens`` asks it."""
         return TextStream(self.served.tokenizer, params.stop, params.include_stop_str_in_output,
-                          params.skip_special_tokens)
+                          params.skip_special_tokens, params.stop_token_ids if params.min_tokens else (),
+                          params.min_tokens)
 
     async def generate(self, params: GenerateParams, arrival: float | None = None,
                        request_id: str | None = None) -> AsyncIterator[Delta | Outcome]:
@@ -153,14 +159,14 @@ class Replica:
                 before = len(text.tokens)
                 delta = text.push(out.new_tokens)
                 if text.stopped is not None:
-                    yield Delta(delta, text.tokens[before:])
+                    yield Delta(delta, text.tokens[before:], len(text.tokens))
                     reason = "stop"
                     break  # leaving the stream cancels the engine request
                 if out.finished:
                     result, reason = out.result, "length" if out.finish_reason == "length" else "stop"
                     delta += text.finish()
                 if delta or params.return_token_ids:
-                    yield Delta(delta, list(out.new_tokens))
+                    yield Delta(delta, list(out.new_tokens), len(text.tokens))
         except EngineError as err:
             self.life.died(err)
             raise self.life.dead_error(f"the engine failed during this request: {err}") from None

@@ -2,7 +2,7 @@
 client, ≥16 concurrent mixed requests with greedy output equal to the target's own token for
 token and seeded sampling reproducible with and without speculation, every bad input's 4xx and
 body, the API key on every route of the app's table but the public ones, stop strings in
-streams, overload answered within a second, a client
+streams, overload answered within a second, vLLM's extensions, a client
 disconnect freeing its rows, the metrics, an engine-thread failure (503, then Serve's health
 check replaces the replica, whose successor answers 503 warming_up until warm) and a killed
 replica replaced.
@@ -243,6 +243,26 @@ def test_overload_is_refused_within_a_second(port, tiny_target):
     assert all(r[1] < limit and r[2].get("retry-after") == "1" and json.loads(r[3])["error"]["code"] for r in refused)
     done = [json.loads(r[3]) for r in results if r[0] == 200]
     assert len(done) >= 20 and all(d["usage"]["completion_tokens"] == 120 for d in done)
+
+
+def test_vllm_extensions_as_its_load_tools_send_them(port, tiny_target):
+    from tests.components.serving.test_protocol import VLLM_DEFAULTS
+
+    body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_completion_tokens": 12, "ignore_eos": True, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]}
+    status, _, data = request(port, "POST", "/v1/chat/completions", body, KEY)
+    chunks = sse_events(data)
+    assert status == 200 and chunks.pop() == "[DONE]", chunks[:1]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]  # the usage on every chunk
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 12 and chunks[-1]["choices"] == []
+    prompt = prompt_ids(tiny_target, 2)[1]
+    extras = {**VLLM_DEFAULTS, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+              "return_token_ids": True}
+    status, done = post(port, "/v1/completions", extras, KEY)
+    assert status == 200 and done["choices"][0]["token_ids"] == greedy_reference(tiny_target, prompt, 10)
+    status, refused = post(port, "/v1/completions", {**extras, "guided_regex": "[a-z]+"}, KEY)
+    assert status == 400 and refused["error"]["param"] == "guided_regex"
 
 
 def _metric(port: int, name: str) -> float:

@@ -223,3 +223,21 @@ def test_dloop_is_on_by_default_and_the_adaptive_cap_decides_its_stages(tiny_tar
     with pytest.raises(ConfigError, match="loop_stages must be at least 1"):
         ServeConfig(loop_stages=0)
 
+
+def test_min_tokens_lets_early_stop_ids_pass_and_stays_lossless(replica, tiny_target):
+    """vLLM's min_tokens: a stop id ends the output only past min_tokens; the tokens are the
+    target's own greedy ones throughout (an early stop id is generated, it just does not end it)."""
+    prompt, n = prompt_ids(tiny_target, 2)[1], 24
+    ref = greedy_reference(tiny_target, prompt, n)
+    stop = max(set(ref), key=lambda t: (ref.count(t), -ref.index(t)))  # a token the output repeats
+    first = ref.index(stop)
+
+    def expected(min_tokens: int) -> tuple[list[int], str]:
+        ends = [i for i, t in enumerate(ref) if t == stop and i + 1 > min_tokens]
+        return (ref[:ends[0] + 1], "stop") if ends else (ref, "length")
+
+    for min_tokens in (0, first + 1, n):
+        body = {**_greedy(prompt), "max_tokens": n, "stop_token_ids": [stop], "min_tokens": min_tokens}
+        out = asyncio.run(_run(replica, body))
+        assert (out.token_ids, out.finish_reason) == expected(min_tokens), min_tokens
+    assert replica.admitted == 0
