@@ -16,6 +16,20 @@ another model, 401 without the API key) with an OpenAI error body; no OpenAPI sc
 ``build_app(cfg, target_path, source, api_key)`` gives the bound deployment for ``serve.run``;
 ``deployment_options(sc)`` the Serve settings.
 
+Overload. A replica's own admission (``Replica.admit``) refuses a generation request past its
+capacity (``max_ongoing_requests`` running + ``max_queued_requests`` waiting) at once, before
+reading its body: 503/429 with ``Retry-After`` and an OpenAI body. A request past the Serve
+slots of every replica waits in Serve's router, which routes two waiting requests per replica
+at a time with a back-off of up to half a second per try (Ray Serve 2.60), and so let a burst
+of 150 wait 10 s for its refusal. So a replica has twice its capacity in Serve slots (the spare
+half for probes and refusals, which are quick) and the router queues no more than the spare
+(``max_queued_requests``): past it the router refuses at once itself, with the same status and
+``Retry-After`` and Serve's own plain-text body. The queue cannot be shorter: the router counts a
+request as queued while it picks a replica, so a burst the replica could admit, arriving at
+once, must fit in it. What is left: at most that many requests of a large burst wait in the
+router, and are answered (refused, or served once a slot frees) as it routes them, two per try
+(``test_http.py`` prints the burst's refusal times).
+
 Start-up, as Ray Serve sees it. The constructor loads the target and drafter and builds the
 engine: what a configuration can make fail (a drafter for another target, a capability it
 lacks) fails the replica's start, which Serve retries ``max_constructor_retry_count`` times and
@@ -58,8 +72,7 @@ from components.serving.replica import Replica
 from components.serving.responses import model_card
 
 log = logging.getLogger(__name__)
-HEADROOM = 8  # Serve-level slots above the replica's own capacity: /health, /metrics, tokenize routes
-ROUTER_QUEUE = 4  # Serve's router queue, in multiples of a replica's capacity
+HEADROOM = 8  # the least Serve-level slots past a replica's capacity: /health, /metrics, tokenize routes
 
 
 def model_id(cfg: SpeclineConfig) -> str:
@@ -78,12 +91,14 @@ def served_for(target: Any, sc: ServeConfig, model: str) -> Served:
 
 
 def deployment_options(sc: ServeConfig) -> dict[str, Any]:
-    """Ray Serve deployment settings from ``serve``."""
+    """Ray Serve deployment settings from ``serve`` (overload: module docstring)."""
+    capacity = sc.max_ongoing_requests + sc.max_queued_requests  # what the replica admits
+    spare = max(HEADROOM, capacity)
     opts: dict[str, Any] = {
-        "max_ongoing_requests": sc.max_ongoing_requests + sc.max_queued_requests + HEADROOM,
-        # Serve's own queue (requests not yet routed): an outer net with a plain-text body; the
-        # replica answers overload itself, with an OpenAI body, long before this fills
-        "max_queued_requests": ROUTER_QUEUE * (sc.max_ongoing_requests + sc.max_queued_requests),
+        # Serve's slots: the capacity and as many again (probes, refusals); its router's queue:
+        # as many as the capacity (a burst the replica could admit gets in, even all at once);
+        # past it the router refuses at once (module docstring)
+        "max_ongoing_requests": capacity + spare, "max_queued_requests": spare,
         "backpressure_config": {"status_code": sc.overload_status, "retry_after_s": sc.retry_after_s},
         "health_check_period_s": sc.health_check_period_s, "health_check_timeout_s": sc.health_check_timeout_s,
         "ray_actor_options": {"num_cpus": sc.cpus_per_replica, "num_gpus": sc.gpus_per_replica},
