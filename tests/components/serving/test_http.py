@@ -230,8 +230,8 @@ def test_overload_is_refused_within_a_second(port, tiny_target, connections):
     """A burst far past the replica's capacity (20): the excess is refused at once (503 with
     Retry-After: by the replica's admission with an OpenAI body, or past its Serve slots by Serve's
     router), at 500 connections as at 60: within a second, or on a loaded box (where the proxy and
-    the replica's event loop are slow) within a quarter of the quickest served request's time,
-    all but the few (at most the router's queue) that wait in Serve's router for a slot."""
+    the replica's event loop are slow) within a quarter of the quickest served request's time;
+    the few that Serve's router held in its queue (at most as many as it holds) within twice that."""
     body = {"prompt": prompt_ids(tiny_target, 1)[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
     results = burst(port, "/v1/completions", body, KEY, connections)
     refused = sorted(r[1] for r in results if r[0] != 200)
@@ -239,16 +239,17 @@ def test_overload_is_refused_within_a_second(port, tiny_target, connections):
     assert all(r[2].get("retry-after") == "1" for r in results if r[0] != 200)
     by_replica = [r for r in results if r[0] != 200 and r[2].get("content-type") == "application/json"]
     assert all(json.loads(r[3])["error"]["code"] == "overloaded" for r in by_replica)
-    print(f"{len(by_replica)} refused by the replica, {len(results) - len(by_replica) - 20} by Serve's router")
     done = [json.loads(r[3]) for r in results if r[0] == 200]
     assert len(done) >= 16 and all(d["usage"]["completion_tokens"] == 120 for d in done)
     p50, p90 = refused[len(refused) // 2], refused[int(0.9 * (len(refused) - 1))]
     quickest = min(r[1] for r in results if r[0] == 200)
     print(f"{connections} at once: {len(done)} served (quickest {quickest:.1f} s), {len(refused)} refused in "
-          f"p50 {p50:.2f} s, p90 {p90:.2f} s, max {refused[-1]:.2f} s ({sum(t > 1 for t in refused)} over 1 s)")
-    assert p90 < max(1.0, 0.25 * quickest)
-    # the tail: at most the router's queue (spare slots) waits for a slot, two per try and replica
-    assert sum(t > max(1.0, 0.25 * quickest) for t in refused) <= 20
+          f"p50 {p50:.2f} s, p90 {p90:.2f} s, max {refused[-1]:.2f} s ({sum(t > 1 for t in refused)} over 1 s; "
+          f"{len(by_replica)} by the replica, {len(refused) - len(by_replica)} by Serve's router)")
+    limit = max(1.0, 0.25 * quickest)
+    assert p50 < limit  # the bulk at once, by the replica or Serve's router
+    # the tail: at most the router's queue (its spare slots: 20 here) waited there for a slot
+    assert sum(t > 2 * limit for t in refused) <= 20
 
 
 def test_vllm_extensions_as_its_load_tools_send_them(port, tiny_target):
