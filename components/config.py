@@ -312,7 +312,7 @@ class ServeConfig:
     host: str = "127.0.0.1"  # 0.0.0.0 to listen on every interface
     port: int = 8000
     app_name: str = "specline"
-    api_key: str | None = None  # bearer key for /v1/*, /tokenize, /detokenize (prefer api_key_env)
+    api_key: str | None = None  # bearer key for every route but /health and /metrics (prefer api_key_env)
     api_key_env: str | None = None  # name of an environment variable holding the key
     max_body_bytes: int = 1_000_000  # larger request bodies: 413
     max_model_len: int | None = None  # context (prompt + new tokens); None: the target's positions

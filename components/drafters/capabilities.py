@@ -9,15 +9,17 @@ depend on its config, e.g. carryover exists only when the drafter was built with
 built, which fails with the drafter's name and the missing capability; a fast path that is
 optional asks :func:`has`.
 
-Each capability names the methods it stands for; the Protocols below give their signatures,
-and ``tests/components/drafters/test_drafters_capabilities.py`` checks every registered drafter
-implements what it declares.
+Each capability names the methods it stands for; the Protocols below give their signatures
+(``declared_signature`` reads one, with its declared result, e.g. for a wrapper that must stand in
+for it), and ``tests/components/drafters/test_drafters_capabilities.py`` checks every
+registered drafter implements what it declares.
 
 This module knows nothing about particular drafter families, engines or objectives.
 """
 
 from __future__ import annotations
 
+import inspect
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from components.drafters.base import DraftBatch, DraftState, DraftTrainOutput, Proposal
     from components.drafters.layers import KV
     from components.spec.sampling import SamplingParams
+    from components.spec.trees import CausalHead
 
 
 class Capability(str, Enum):
@@ -83,6 +86,22 @@ def require(drafter: Any, feature: str, *capabilities: Capability, hint: str = "
                               f"({type(drafter).__name__}) declares: {declared}" + (f". {hint}" if hint else ""))
 
 
+def declared_signature(method: str) -> inspect.Signature | None:
+    """The signature a capability's ``method`` declares in its Protocol below, without ``self``
+    (annotations as written: ``return_annotation`` is e.g. ``"list[Proposal]"``); None for an
+    attribute (``carry_embed``) or a name no Protocol gives."""
+    for proto in _protocols():
+        fn = proto.__dict__.get(method)
+        if inspect.isfunction(fn):
+            sig = inspect.signature(fn)
+            return sig.replace(parameters=list(sig.parameters.values())[1:])
+    return None
+
+
+def _protocols() -> list[type]:
+    return [v for v in globals().values() if isinstance(v, type) and Protocol in v.__mro__[1:]]
+
+
 # ----------------------------------------------------------------------------- signatures
 class BatchedPropose(Protocol):
     def propose_many(self, states: list[DraftState], last_tokens: Tensor,  # last_tokens [R] long
@@ -112,7 +131,7 @@ class Carryover(Protocol):
 
 
 class CausalTreeHead(Protocol):
-    def causal_tree_head(self, z: Tensor) -> Any:  # z [γ, H] -> spec.trees CausalHead
+    def causal_tree_head(self, z: Tensor) -> CausalHead:  # z [γ, H] -> scores of a node's children
         """Path-dependent child scores read from one proposal's slot states."""
 
 

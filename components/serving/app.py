@@ -1,6 +1,6 @@
-"""The Ray Serve application: a FastAPI ingress over one ``Replica`` per Serve replica.
+"""The Ray Serve application: a FastAPI app over one ``Replica`` per Serve replica.
 
-Routes (OpenAI-compatible, as vLLM's server names them)::
+Routes (OpenAI-compatible, as vLLM's server names them), declared once in ``new_api``::
 
     POST /v1/completions        prompt (string or token ids) → text, streaming or not
     POST /v1/chat/completions   messages (the target's chat template) → text, streaming or not
@@ -9,13 +9,26 @@ Routes (OpenAI-compatible, as vLLM's server names them)::
     POST /tokenize, /detokenize vLLM's shapes ({"prompt"|"messages"} → tokens; {"tokens"} → prompt)
     GET  /metrics               this replica's metrics, Prometheus text (``telemetry.py``)
 
-Bodies are parsed here, not by FastAPI's models, so every client mistake is a 400 (413 for a
-body over ``serve.max_body_bytes``, 404 for another model, 401 without the API key) with an
-OpenAI error body. An error after a stream started goes out as an SSE ``data: {"error": ...}``
-chunk, then ``[DONE]``. ``build_app(cfg, target_path, source, api_key)`` gives the bound
-deployment for ``serve.run``; ``deployment_options(sc)`` the Serve settings (replicas or
-autoscaling, ``max_ongoing_requests`` / ``max_queued_requests``, backpressure status and
-Retry-After, health checks, one GPU per replica on clusters).
+The API key is the app's dependency (``auth.py``): every route but ``/health`` and ``/metrics``
+needs it, a route added later included. Bodies are parsed by ``protocol.py``, not by FastAPI's
+models, so every client mistake is a 400 (413 for a body over ``serve.max_body_bytes``, 404 for
+another model, 401 without the API key) with an OpenAI error body; no OpenAPI schema is served.
+``build_app(cfg, target_path, source, api_key)`` gives the bound deployment for ``serve.run``;
+``deployment_options(sc)`` the Serve settings.
+
+Overload. A replica's own admission (``Replica.admit``) refuses a generation request past its
+capacity (``max_ongoing_requests`` running + ``max_queued_requests`` waiting) at once, before
+reading its body: 503/429 with ``Retry-After`` and an OpenAI body. A request past the Serve
+slots of every replica waits in Serve's router, which routes two waiting requests per replica
+at a time with a back-off of up to half a second per try (Ray Serve 2.60), and so let a burst
+of 150 wait 10 s for its refusal. So a replica has twice its capacity in Serve slots (the spare
+half for probes and refusals, which are quick) and the router queues no more than the spare
+(``max_queued_requests``): past it the router refuses at once itself, with the same status and
+``Retry-After`` and Serve's own plain-text body. The queue cannot be shorter: the router counts a
+request as queued while it picks a replica, so a burst the replica could admit, arriving at
+once, must fit in it. What is left: at most that many requests of a large burst wait in the
+router, and are answered (refused, or served once a slot frees) as it routes them, two per try
+(``test_http.py`` prints the burst's refusal times).
 
 Start-up, as Ray Serve sees it. The constructor loads the target and drafter and builds the
 engine: what a configuration can make fail (a drafter for another target, a capability it
@@ -24,51 +37,42 @@ lacks) fails the replica's start, which Serve retries ``max_constructor_retry_co
 measured on a host's first start per setting, then one short generation) runs on a thread once
 the constructor has returned, so Serve marks the replica running and routes to it: meanwhile
 ``/health`` is 503 ``{"status": "warming_up", "phase": ...}`` and ``/v1/*`` a 503 OpenAI error
-with ``Retry-After`` (``/tokenize``, ``/detokenize`` and ``/metrics`` answer). ``check_health``
-passes while warming up: Serve runs it once at the end of start-up and counts a failure there as
-a failed start (the deployment fails for good after ``max_constructor_retry_count``), and replaces
-a running replica after three failed periodic checks, so failing it would restart any warm-up
-longer than three ``health_check_period_s``, for ever. It fails once the warm-up or an engine
-round failed (``/health`` 503 ``"dead"`` with the error); Serve then replaces the replica. The
-price of a background warm-up: to Serve a warming replica is up, so ``serve.run`` returns before
-it is warm (poll ``/health``) and a scale-up or rolling update routes requests to a new replica
-that answers them 503 + ``Retry-After`` until warm, rather than queueing them.
+with ``Retry-After`` (``/tokenize``, ``/detokenize`` and ``/metrics`` answer); ``check_health``
+passes until the replica is dead (``lifecycle.py``). The price of a background warm-up: to
+Serve a warming replica is up, so ``serve.run`` returns before it is warm (poll ``/health``) and
+a scale-up or rolling update routes requests to a new replica that answers them 503 +
+``Retry-After`` until warm, rather than queueing them.
 
-No ``from __future__ import annotations`` here: the deployment class is pickled by value, and
-FastAPI must resolve its routes' ``Request`` annotations in the replica. Knows FastAPI, Ray
-Serve and the serving components; nothing about the engine's internals.
+No ``from __future__ import annotations`` here: FastAPI reads the handlers' ``Request``
+annotations. Knows FastAPI, Ray Serve and the serving components; nothing about the engine's
+internals.
 """
 
-import hmac
 import logging
 import threading
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from components.config import ServeConfig, SpeclineConfig
-from components.serving import responses as rs
+from components.serving import generation
+from components.serving.auth import key_dependency
 from components.serving.protocol import (
     APIError,
-    GenerateParams,
     Served,
-    message_text,
+    detokenize_request,
     parse_json,
-    parse_request,
+    tokenize_request,
 )
 from components.serving.provenance import DrafterSource
-from components.serving.replica import Delta, Replica
-from components.serving.responses import Outcome
+from components.serving.replica import Replica
+from components.serving.responses import model_card
 
 log = logging.getLogger(__name__)
-HEADROOM = 8  # Serve-level slots above the replica's own capacity: /health, /metrics, tokenize routes
-ROUTER_QUEUE = 4  # Serve's router queue, in multiples of a replica's capacity
-PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+HEADROOM = 8  # the least Serve-level slots past a replica's capacity: /health, /metrics, tokenize routes
 
 
 def model_id(cfg: SpeclineConfig) -> str:
@@ -77,21 +81,24 @@ def model_id(cfg: SpeclineConfig) -> str:
 
 
 def served_for(target: Any, sc: ServeConfig, model: str) -> Served:
-    gen = getattr(target.model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    ids = [*(eos if isinstance(eos, (list, tuple)) else [eos]), target.tokenizer.eos_token_id]
+    """What request checks need of ``target``: a generation ends at any special or stop token
+    it may emit (``target_special_ids``, the set a draft vocabulary keeps), unless ignore_eos."""
+    from components.drafters.registry import target_special_ids
+
     positions = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)
     return Served(model, target.tokenizer, target.vocab_size, min(sc.max_model_len or positions, positions),
-                  tuple(dict.fromkeys(int(i) for i in ids if i is not None and i >= 0)))
+                  tuple(target_special_ids(target)))
 
 
 def deployment_options(sc: ServeConfig) -> dict[str, Any]:
-    """Ray Serve deployment settings from ``serve``."""
+    """Ray Serve deployment settings from ``serve`` (overload: module docstring)."""
+    capacity = sc.max_ongoing_requests + sc.max_queued_requests  # what the replica admits
+    spare = max(HEADROOM, capacity)
     opts: dict[str, Any] = {
-        "max_ongoing_requests": sc.max_ongoing_requests + sc.max_queued_requests + HEADROOM,
-        # Serve's own queue (requests not yet routed): an outer net with a plain-text body; the
-        # replica answers overload itself, with an OpenAI body, long before this fills
-        "max_queued_requests": ROUTER_QUEUE * (sc.max_ongoing_requests + sc.max_queued_requests),
+        # Serve's slots: the capacity and as many again (probes, refusals); its router's queue:
+        # as many as the capacity (a burst the replica could admit gets in, even all at once);
+        # past it the router refuses at once (module docstring)
+        "max_ongoing_requests": capacity + spare, "max_queued_requests": spare,
         "backpressure_config": {"status_code": sc.overload_status, "retry_after_s": sc.retry_after_s},
         "health_check_period_s": sc.health_check_period_s, "health_check_timeout_s": sc.health_check_timeout_s,
         "ray_actor_options": {"num_cpus": sc.cpus_per_replica, "num_gpus": sc.gpus_per_replica},
@@ -104,87 +111,6 @@ def deployment_options(sc: ServeConfig) -> dict[str, Any]:
     else:
         opts["num_replicas"] = sc.num_replicas
     return opts
-
-
-# ----------------------------------------------------------------------------- request plumbing
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 once it passes ``limit`` bytes (by Content-Length or as it streams in)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes is over the limit of {limit}", code="body_too_large")
-    data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
-    return bytes(data)
-
-
-def check_key(request: Request, key: str | None) -> None:
-    if key is None or not request.url.path.startswith(PROTECTED):
-        return
-    given = request.headers.get("authorization", "")
-    token = given[7:] if given.lower().startswith("bearer ") else ""
-    if not hmac.compare_digest(token.encode(), key.encode()):
-        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-
-
-async def collect(rid: str, model: str, params: GenerateParams, first: Delta | Outcome,
-                  gen: AsyncIterator[Delta | Outcome]) -> dict[str, Any]:
-    """The non-streaming body: every delta, then the outcome."""
-    item = first
-    while not isinstance(item, Outcome):
-        item = await gen.__anext__()
-    return rs.full_response(rid, model, params, item)
-
-
-async def events(rid: str, model: str, params: GenerateParams, first: Delta | Outcome,
-                 gen: AsyncIterator[Delta | Outcome]) -> AsyncIterator[str]:
-    """SSE chunks: (chat: the role first) deltas, the finish chunk, the usage chunk, [DONE]."""
-    try:
-        if params.kind == "chat":
-            yield rs.sse(rs.chunk(rid, model, params, "", first=True))
-        item = first
-        while not isinstance(item, Outcome):
-            yield rs.sse(rs.chunk(rid, model, params, item.text, item.token_ids))
-            item = await gen.__anext__()
-        yield rs.sse(rs.chunk(rid, model, params, "", [], out=item))
-        if params.include_usage:
-            yield rs.sse(rs.usage_chunk(rid, model, params, item))
-    except APIError as err:  # the stream has started: the error is the next chunk
-        yield rs.sse(err.body())
-    except Exception as err:
-        log.exception("stream %s failed", rid)
-        yield rs.sse(APIError(500, f"internal error: {type(err).__name__}: {err}").body())
-    finally:
-        await gen.aclose()
-    yield rs.DONE
-
-
-async def start(replica: Replica, params: GenerateParams, arrival: float) -> tuple[str, Delta | Outcome, Any]:
-    """Admits the request and runs it to its first output (so an overload or dead engine is an
-    HTTP status, not a broken stream)."""
-    rid = f"{'chatcmpl' if params.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    replica.admit()
-    gen = replica.generate(params, arrival, rid)
-    try:
-        first = await gen.__anext__()
-    except BaseException:
-        await gen.aclose()
-        raise
-    return rid, first, gen
-
-
-# ----------------------------------------------------------------------------- the deployment
-async def respond(replica: Replica, model: str, params: Any, arrival: float) -> Any:
-    """A checked generation request's response: an SSE stream, or one JSON body."""
-    rid, first, gen = await start(replica, params, arrival)
-    if params.stream:
-        return StreamingResponse(events(rid, model, params, first, gen), media_type="text/event-stream")
-    try:
-        return JSONResponse(await collect(rid, model, params, first, gen))
-    finally:
-        await gen.aclose()
 
 
 def build_replica(cfg: SpeclineConfig, target_path: str, source: DrafterSource, model: str) -> Replica:
@@ -211,93 +137,70 @@ def warm_up_steps(replica: Replica, sc: ServeConfig) -> list[tuple[str, Callable
     return [("round profile", lambda: adapt(replica.parts, sc))]
 
 
-class ServerRoutes:
-    """One replica: a target + drafter engine and what it answers on each route. The Serve
-    class of ``make_server_class`` only binds these methods to FastAPI paths."""
+class Server:
+    """One Serve replica: a target + drafter engine and the handler of each route (``new_api``
+    binds them to paths; Serve builds that app in the replica, ``__serve_build_asgi_app__``)."""
 
     def __init__(self, cfg: SpeclineConfig, target_path: str, source: DrafterSource, api_key: str | None):
         self.model, self.source, self.api_key, self.sc = model_id(cfg), source, api_key, cfg.serve
         self.replica = build_replica(cfg, target_path, source, self.model)
         threading.Thread(target=self.warm_up, name="specline-warm-up", daemon=True).start()
 
+    def __serve_build_asgi_app__(self) -> Any:
+        return new_api(self, self.api_key)
+
     def warm_up(self) -> None:
         """On the warm-up thread (module docstring)."""
         self.replica.warm_up(warm_up_steps(self.replica, self.sc))
 
     def check_health(self) -> None:
-        self.replica.check_health()
+        self.replica.life.check_health()
 
-    async def body(self, request: Request) -> Any:
-        """The request's JSON body, once its API key checks out."""
-        check_key(request, self.api_key)
-        return parse_json(await read_body(request, self.sc.max_body_bytes))
+    async def completions(self, request: Request) -> Any:
+        return await generation.generate(self.replica, self.model, "completion", request, self.sc.max_body_bytes)
 
-    async def generate(self, kind: str, request: Request) -> Any:
-        """/v1/completions (``kind`` "completion") and /v1/chat/completions ("chat")."""
-        arrival = time.perf_counter()
-        body = await self.body(request)
-        self.replica.check_ready()
-        params = parse_request(kind, body, self.replica.served)
-        return await respond(self.replica, self.model, params, arrival)
+    async def chat(self, request: Request) -> Any:
+        return await generation.generate(self.replica, self.model, "chat", request, self.sc.max_body_bytes)
 
-    def models(self, request: Request) -> Any:
-        check_key(request, self.api_key)
-        self.replica.check_ready()
-        return JSONResponse(model_card(self.model, self.source, self.replica))
+    async def models(self) -> Any:
+        self.replica.life.check_ready()
+        drafter = None
+        if self.source.path is not None and self.replica.parts.drafter is not None:
+            drafter = {"id": self.source.label, "family": self.replica.parts.drafter.cfg.name,
+                       "run_id": self.source.run_id, "version": self.source.version, "origin": self.source.origin}
+        return JSONResponse(model_card(self.model, self.replica.served.max_model_len, drafter,
+                                       self.replica.parts.settings))
 
-    def health(self) -> Any:
+    async def health(self) -> Any:
         return JSONResponse(self.replica.status(), status_code=200 if self.replica.healthy else 503)
 
-    def metrics(self) -> Any:
-        self.replica.poll_metrics()
+    async def tokenize(self, request: Request) -> Any:
+        body = parse_json(await generation.read_body(request, self.sc.max_body_bytes))
+        return JSONResponse(tokenize_request(body, self.replica.served))
+
+    async def detokenize(self, request: Request) -> Any:
+        body = parse_json(await generation.read_body(request, self.sc.max_body_bytes))
+        return JSONResponse(detokenize_request(body, self.replica.served))
+
+    async def metrics(self) -> Any:
+        self.replica.counters.export()
         return PlainTextResponse(self.replica.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-def make_server_class() -> type:
-    """The FastAPI app and the Serve deployment class, made on call (no import-time app)."""
-    from ray import serve
+def new_api(server: Server, api_key: str | None) -> Any:
+    """The FastAPI app of one replica: the route table, the key on every route but the public
+    ones, and errors as OpenAI bodies (``APIError`` → its status; anything else → a logged 500)."""
+    from fastapi import Depends, FastAPI
 
-    api = new_api()
-
-    @serve.ingress(api)
-    class SpeclineServer(ServerRoutes):
-        @api.post("/v1/completions")
-        async def completions(self, request: Request) -> Any:
-            return await self.generate("completion", request)
-
-        @api.post("/v1/chat/completions")
-        async def chat(self, request: Request) -> Any:
-            return await self.generate("chat", request)
-
-        @api.get("/v1/models")
-        async def list_models(self, request: Request) -> Any:
-            return self.models(request)
-
-        @api.get("/health")
-        async def get_health(self) -> Any:
-            return self.health()
-
-        @api.post("/tokenize")
-        async def tokenize(self, request: Request) -> Any:
-            return JSONResponse(tokenize_body(self.replica, await self.body(request)))
-
-        @api.post("/detokenize")
-        async def detokenize(self, request: Request) -> Any:
-            return JSONResponse(detokenize_body(self.replica, await self.body(request)))
-
-        @api.get("/metrics")
-        async def get_metrics(self) -> Any:
-            return self.metrics()
-
-    return SpeclineServer
-
-
-def new_api() -> Any:
-    """A FastAPI app whose errors are OpenAI bodies: ``APIError`` → its status; anything else →
-    a logged 500 with the same shape."""
-    from fastapi import FastAPI
-
-    api = FastAPI(title="specline", docs_url=None, redoc_url=None)
+    api = FastAPI(title="specline", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(key_dependency(api_key))])
+    api.post("/v1/completions")(server.completions)
+    api.post("/v1/chat/completions")(server.chat)
+    api.get("/v1/models")(server.models)
+    api.get("/health")(server.health)
+    api.post("/tokenize")(server.tokenize)
+    api.post("/detokenize")(server.detokenize)
+    api.get("/metrics")(server.metrics)
 
     @api.exception_handler(APIError)
     async def _api_error(_request: Request, err: APIError) -> JSONResponse:
@@ -311,49 +214,16 @@ def new_api() -> Any:
     return api
 
 
+def make_server_class() -> type:
+    """The Serve ingress class (its app is built in each replica, from the replica's key)."""
+    from ray import serve
+
+    return serve.ingress()(Server)
+
+
 def build_app(cfg: SpeclineConfig, target_path: str, source: DrafterSource, api_key: str | None) -> Any:
     """The bound Serve application (``serve.run(build_app(...), name=..., route_prefix="/")``)."""
     from ray import serve
 
     server = serve.deployment(make_server_class(), name="SpeclineServer", **deployment_options(cfg.serve))
     return server.bind(cfg, target_path, source, api_key)
-
-
-# ----------------------------------------------------------------------------- small bodies
-def model_card(model: str, source: DrafterSource, replica: Replica) -> dict[str, Any]:
-    drafter = None
-    if source.path is not None and replica.parts.drafter is not None:
-        cfg = replica.parts.drafter.cfg
-        drafter = {"id": source.label, "family": cfg.name, "run_id": source.run_id, "version": source.version,
-                   "origin": source.origin}
-    return {"object": "list", "data": [{
-        "id": model, "object": "model", "created": int(time.time()), "owned_by": "specline",
-        "max_model_len": replica.served.max_model_len,
-        "specline": {"drafter": drafter, "engine": replica.parts.settings}}]}
-
-
-def tokenize_body(replica: Replica, body: dict[str, Any]) -> dict[str, Any]:
-    if ("prompt" in body) == ("messages" in body):
-        raise APIError(400, "give exactly one of 'prompt' (a string) or 'messages'", param="prompt")
-    special = body.get("add_special_tokens", True)
-    if not isinstance(special, bool):
-        raise APIError(400, "'add_special_tokens' must be a boolean", param="add_special_tokens")
-    if "prompt" in body:
-        if not isinstance(body["prompt"], str):
-            raise APIError(400, "'prompt' must be a string", param="prompt")
-        tokens = replica.tokenize(body["prompt"], add_special_tokens=special)
-    else:
-        msgs = body["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise APIError(400, "'messages' must be a non-empty list of messages", param="messages")
-        tokens = replica.tokenize(messages=[message_text(m, i) for i, m in enumerate(msgs)])
-    return {"count": len(tokens), "max_model_len": replica.served.max_model_len, "tokens": tokens}
-
-
-def detokenize_body(replica: Replica, body: dict[str, Any]) -> dict[str, Any]:
-    tokens = body.get("tokens")
-    vocab = replica.served.vocab_size
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                               for t in tokens):
-        raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
-    return {"prompt": replica.detokenize(tokens)}

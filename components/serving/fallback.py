@@ -2,34 +2,45 @@
 requests into plain decoding, losslessly, and is logged and counted.
 
 ``GuardedDrafter(drafter)`` has the drafter's engine protocol (its capabilities, taps and γ are
-the wrapped drafter's) and wraps each request's drafter state in a ``Slot``. When a call on a
-slot raises (``init_state``, ``consume``/``consume_many``, ``propose``/``propose_many``,
-``consume_own``, ``with_carry``), that slot is marked failed and from then on:
+the wrapped drafter's) and wraps each request's drafter state in a ``Slot``. Every call the
+engine can make is guarded: the core interface (``init_state``, ``consume``, ``propose``,
+``rollback``) and every method a capability names (``Capability.methods``), the set read off
+those declarations, so a new capability's methods are guarded without an edit here. What a
+failed call answers is chosen by the result its signature declares (``declared_signature``):
 
-* ``consume`` and friends leave it failed without calling the drafter;
-* ``propose`` returns a *null proposal*: the last token repeated, with the one-hot q it was
-  "sampled" from and confidence 0. Every rule stays lossless with it (greedy matches tokens;
-  speculative/block sampling gets the true q of its drafts; Gumbel reads the target's noise),
-  so the request's output is what it would have been; the zero confidence makes the adaptive
-  draft cap choose plain rounds for such rows (with a fixed cap they verify the null drafts,
-  which costs a little width and accepts what the target itself would emit).
+* a drafter state (one, or one per row): a failed ``Slot``; calls on a failed slot then answer
+  the same without calling the drafter;
+* a proposal (one, or one per row): a *null proposal*: the last token repeated, with the one-hot
+  q it was "sampled" from and confidence 0. Every rule stays lossless with it (greedy matches
+  tokens; speculative/block sampling gets the true q of its drafts; Gumbel reads the target's
+  noise), so the request's output is what it would have been; the zero confidence makes the
+  adaptive draft cap choose plain rounds for such rows (with a fixed cap they verify the null
+  drafts, which costs a little width and accepts what the target itself would emit);
+* a causal tree head: flat scores (a failure inside the returned head is caught the same way):
+  the tree is still verified exactly, it only accepts less.
 
-Requests admitted later get fresh states and the real drafter again. Knows the drafter engine
-protocol (``components.engine``'s ``EngineDrafter``); nothing about requests, HTTP or Ray.
+A batched call (a list of slots) runs on the rows still live; a failure marks all of them. A
+method whose declared result is none of these (a training internal: block states, train
+readouts) is no engine call and is passed through. Requests admitted later get fresh states
+and the real drafter again. Knows the drafter interface and its capability declarations;
+nothing about requests, HTTP or Ray.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from components.drafters.base import DEFAULT_SAMPLING, Proposal
-from components.spec.sampling import SamplingParams
+from components.drafters.base import Drafter, Proposal
+from components.drafters.capabilities import Capability, declared_signature
 
 log = logging.getLogger(__name__)
 NULL_LOGIT = -1e9  # every token but the null draft's: exp() is exactly 0 in float32
@@ -45,7 +56,27 @@ class Slot:
 
 
 FAILED = Slot(None, True)
-_GUARDED = ("consume_many", "propose_many", "consume_own", "with_carry")
+STATE, STATES, PROPOSAL, PROPOSALS, HEAD = "DraftState", "list[DraftState]", "Proposal", "list[Proposal]", "CausalHead"
+STAND_IN_FOR = (STATE, STATES, PROPOSAL, PROPOSALS, HEAD)  # declared results a failed call can answer
+
+
+@functools.cache
+def _declared(method: str) -> inspect.Signature | None:
+    """``method``'s declared signature (without ``self``): a capability's Protocol, else ``Drafter``."""
+    sig = declared_signature(method)
+    core = getattr(Drafter, method, None)
+    if sig is None and inspect.isfunction(core):
+        full = inspect.signature(core)
+        sig = full.replace(parameters=list(full.parameters.values())[1:])
+    return sig
+
+
+def _returns(method: str) -> str:
+    sig = _declared(method)
+    return "" if sig is None else str(sig.return_annotation)
+
+
+GUARDED = frozenset(m for c in Capability for m in c.methods if _returns(m) in STAND_IN_FOR)
 
 
 class GuardedDrafter:
@@ -58,10 +89,72 @@ class GuardedDrafter:
         self._lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:  # taps, γ, capabilities, parameters, ... of the drafter
-        if name in _GUARDED:
-            getattr(self.drafter, name)  # AttributeError when the drafter has no such method
-            return getattr(self, f"_{name}")
-        return getattr(self.drafter, name)
+        if name == "drafter":
+            raise AttributeError(name)  # not set yet (unpickling): never recurse
+        value = getattr(self.drafter, name)  # AttributeError when the drafter has no such member
+        return functools.partial(self._call, name) if name in GUARDED else value
+
+    # ------------------------------------------------------------------ the core interface
+    def init_state(self, batch_size: int) -> Slot:
+        return self._call("init_state", batch_size)
+
+    def consume(self, state: Slot, tokens: Tensor, hidden: Tensor | None) -> Slot:
+        return self._call("consume", state, tokens, hidden)
+
+    def propose(self, state: Slot, last_token: Tensor, *args: Any, **kwargs: Any) -> Proposal:
+        return self._call("propose", state, last_token, *args, **kwargs)
+
+    def rollback(self, state: Slot, length: int) -> Slot:
+        return self._call("rollback", state, length)
+
+    # ------------------------------------------------------------------ one guarded call
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        method = getattr(self.drafter, name)
+        bound = _declared(name).bind(*args, **kwargs)  # by the declared names (a wrapped method has its own)
+        first = args[0] if args else None
+        if isinstance(first, Slot):
+            return self._one(name, method, first, bound)
+        if isinstance(first, list) and first and all(isinstance(s, Slot) for s in first):
+            return self._many(name, method, first, bound)
+        return self._stateless(name, method, bound)
+
+    def _one(self, name: str, method: Callable[..., Any], slot: Slot, bound: inspect.BoundArguments) -> Any:
+        if not slot.failed:
+            try:
+                result = method(slot.inner, *bound.args[1:], **bound.kwargs)
+                return Slot(result) if _returns(name) == STATE else result
+            except Exception as err:  # noqa: BLE001  (any drafter failure falls back)
+                self._failed(name, err, 1)
+                slot.failed = True  # a proposal's slot is kept by the engine: consume() now leaves it failed
+        return self._stand_in(name, bound, None)
+
+    def _many(self, name: str, method: Callable[..., Any], slots: list[Slot], bound: inspect.BoundArguments) -> list:
+        live = [i for i, s in enumerate(slots) if not s.failed]
+        got = dict(zip(live, self._live_rows(name, method, slots, live, bound))) if live else {}
+        return [got[i] if i in got else self._stand_in(name, bound, i) for i in range(len(slots))]
+
+    def _live_rows(self, name: str, method: Callable[..., Any], slots: list[Slot], live: list[int],
+                   bound: inspect.BoundArguments) -> list[Any]:
+        """The batched call on the ``live`` rows (their states and per-row arguments); [] once it failed."""
+        n = len(slots)
+        try:
+            got = method([slots[i].inner for i in live], *(_rows(a, live, n) for a in bound.args[1:]),
+                         **{k: _rows(v, live, n) for k, v in bound.kwargs.items()})
+        except Exception as err:  # noqa: BLE001
+            self._failed(name, err, len(live))
+            for i in live:
+                slots[i].failed = True
+            return []
+        return [Slot(r) for r in got] if _returns(name) == STATES else list(got)
+
+    def _stateless(self, name: str, method: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
+        try:
+            result = method(*bound.args, **bound.kwargs)
+        except Exception as err:  # noqa: BLE001
+            self._failed(name, err, 1)
+            return self._stand_in(name, bound, None)
+        kind = _returns(name)
+        return Slot(result) if kind == STATE else self._guarded_head(name, result) if kind == HEAD else result
 
     def _failed(self, call: str, err: BaseException, rows: int) -> None:
         with self._lock:
@@ -69,38 +162,30 @@ class GuardedDrafter:
             self.last_error = f"{call}: {type(err).__name__}: {err}"
         log.warning("drafter failed in %s (%s rows fall back to plain decoding): %s", call, rows, self.last_error)
 
-    # ------------------------------------------------------------------ one row
-    def init_state(self, batch_size: int) -> Slot:
-        try:
-            return Slot(self.drafter.init_state(batch_size))
-        except Exception as err:  # noqa: BLE001  (any drafter failure falls back)
-            self._failed("init_state", err, batch_size)
+    # ------------------------------------------------------------------ stand-ins
+    def _stand_in(self, name: str, bound: inspect.BoundArguments, row: int | None) -> Any:
+        """What a failed call of ``name`` answers for one row (``row`` of a batched call)."""
+        kind = _returns(name)
+        if kind in (STATE, STATES):
             return FAILED
+        if kind == HEAD:
+            return flat_head
+        args = bound.arguments
+        last = args.get("last_tokens", args.get("last_token"))
+        gamma = args.get("num_speculative_tokens")
+        gamma = gamma[row] if isinstance(gamma, list) and row is not None else gamma
+        last = last if row is None else last[row:row + 1]
+        return self.null_proposal(last, int(gamma or self.drafter.num_speculative_tokens))
 
-    def consume(self, state: Slot, tokens: Tensor, hidden: Tensor | None) -> Slot:
-        if state.failed:
-            return FAILED
-        try:
-            return Slot(self.drafter.consume(state.inner, tokens, hidden))
-        except Exception as err:  # noqa: BLE001
-            self._failed("consume", err, 1)
-            return FAILED
-
-    def propose(self, state: Slot, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
-                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
-        gamma = int(num_speculative_tokens or self.drafter.num_speculative_tokens)
-        if state.failed:
-            return self.null_proposal(last_token, gamma)
-        try:
-            return self.drafter.propose(state.inner, last_token, sampling, generator,
-                                        num_speculative_tokens=num_speculative_tokens)
-        except Exception as err:  # noqa: BLE001
-            self._failed("propose", err, 1)
-            state.failed = True  # consume() now leaves it failed
-            return self.null_proposal(last_token, gamma)
-
-    def rollback(self, state: Slot, length: int) -> Slot:
-        return state if state.failed else Slot(self.drafter.rollback(state.inner, length))
+    def _guarded_head(self, name: str, head: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """The causal head, with a failure inside it answered by ``flat_head``."""
+        def guarded(*args: Any) -> Tensor:
+            try:
+                return head(*args)
+            except Exception as err:  # noqa: BLE001
+                self._failed(name, err, 1)
+                return flat_head(*args)
+        return guarded
 
     def null_proposal(self, last_token: Tensor, gamma: int) -> Proposal:
         """``gamma`` copies of the last token [B], one-hot q, confidence 0 (module docstring)."""
@@ -111,64 +196,16 @@ class GuardedDrafter:
         logits = torch.full_like(probs, NULL_LOGIT).masked_fill(probs > 0, 0.0)
         return Proposal(tokens, logits, probs, torch.zeros(rows, gamma, device=last_token.device))
 
-    # ------------------------------------------------------------------ many rows (when the drafter has them)
-    def _consume_many(self, states: list[Slot], tokens: list[Tensor], hidden: list[Tensor]) -> list[Slot]:
-        out: list[Slot] = [FAILED] * len(states)
-        live = [i for i, s in enumerate(states) if not s.failed]
-        if not live:
-            return out
-        try:
-            news = self.drafter.consume_many([states[i].inner for i in live], [tokens[i] for i in live],
-                                             [hidden[i] for i in live])
-        except Exception as err:  # noqa: BLE001
-            self._failed("consume_many", err, len(live))
-            return out
-        for i, new in zip(live, news):
-            out[i] = Slot(new)
-        return out
 
-    def _propose_many(self, states: list[Slot], last_tokens: Tensor, sampling: Any,
-                      num_speculative_tokens: Any = None, generators: list[Any] | None = None) -> list[Proposal]:
-        n, gamma = len(states), num_speculative_tokens
-        gammas = [int(g) for g in gamma] if isinstance(gamma, list) else [
-            int(gamma or self.drafter.num_speculative_tokens)] * n
-        out = [self.null_proposal(last_tokens[i:i + 1], gammas[i]) if s.failed else None for i, s in enumerate(states)]
-        live = [i for i, s in enumerate(states) if not s.failed]
-        if not live:
-            return out  # type: ignore[return-value]
-        def pick(values: list[Any]) -> list[Any]:
-            return [values[i] for i in live]
+def flat_head(paths: Tensor, depth: Tensor, candidates: Tensor) -> Tensor:  # [n, γ+1], [n], [n, M] -> [n, M]
+    """A causal tree head that scores every candidate alike (the backbone's order decides)."""
+    return torch.zeros(candidates.shape, dtype=torch.float32, device=candidates.device)
 
-        try:
-            props = self.drafter.propose_many(
-                [states[i].inner for i in live], last_tokens[torch.tensor(live, device=last_tokens.device)],
-                pick(sampling) if isinstance(sampling, list) else sampling,
-                pick(gamma) if isinstance(gamma, list) else gamma,
-                generators=pick(generators) if generators is not None else None)
-        except Exception as err:  # noqa: BLE001
-            self._failed("propose_many", err, len(live))
-            for i in live:
-                states[i].failed = True
-                out[i] = self.null_proposal(last_tokens[i:i + 1], gammas[i])
-            return out  # type: ignore[return-value]
-        for i, prop in zip(live, props):
-            out[i] = prop
-        return out  # type: ignore[return-value]
 
-    def _consume_own(self, state: Slot, states: Tensor) -> Slot:
-        if state.failed:
-            return FAILED
-        try:
-            return Slot(self.drafter.consume_own(state.inner, states))
-        except Exception as err:  # noqa: BLE001
-            self._failed("consume_own", err, 1)
-            return FAILED
-
-    def _with_carry(self, state: Slot, hidden_rej: Tensor, start_position: int) -> Slot:
-        if state.failed:
-            return FAILED
-        try:
-            return Slot(self.drafter.with_carry(state.inner, hidden_rej, start_position))
-        except Exception as err:  # noqa: BLE001
-            self._failed("with_carry", err, 1)
-            return FAILED
+def _rows(value: Any, live: list[int], n: int) -> Any:
+    """The live rows of a per-row argument of a batched call (a list or tensor of ``n`` rows)."""
+    if isinstance(value, list) and len(value) == n:
+        return [value[i] for i in live]
+    if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
+        return value[torch.tensor(live, device=value.device)]
+    return value

@@ -4,14 +4,18 @@
 Every field of ``/v1/completions`` and ``/v1/chat/completions`` is either honoured
 (``HONOURED``), accepted only at its neutral value (``NEUTRAL``: ``n=1``, ``logprobs=null``,
 ``presence_penalty=0``, ...), or refused: anything else — an unsupported feature at another
-value, or a field no one defines — is a 400 naming it, never silently ignored. Errors follow
+value, or a field no one defines — is a 400 naming it, never silently ignored. vLLM's own
+extensions are read as its server defines them (``ignore_eos``, ``min_tokens``, ``top_k``,
+``stream_options.continuous_usage_stats``, ...; load-testing tools send them), those of features
+this server lacks (guided decoding, beam search, penalties) at their defaults only. Errors follow
 vLLM's server: 400 with ``{"error": {"message", "type", "param", "code"}}`` and ``param`` the
 field path (``messages[1].content``), 404 for an unknown model, not FastAPI's 422.
 
 Prompts are tokenized here (a string, token ids, or messages through the target's chat
 template) because their length decides errors: an empty prompt, a prompt past the context,
-``max_tokens`` past what is left of it, token ids outside the vocabulary. Knows the OpenAI
-schema, a tokenizer and the context length; nothing about the engine, HTTP or Ray.
+``max_tokens`` past what is left of it, token ids outside the vocabulary; so are the bodies of
+vLLM's ``/tokenize`` and ``/detokenize``. Knows the OpenAI schema, a tokenizer and the context
+length; nothing about the engine, HTTP or Ray.
 """
 
 from __future__ import annotations
@@ -23,21 +27,32 @@ from typing import Any
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
-EXTENSIONS = {  # fields beyond OpenAI's, as vLLM names them (speculate: specline's own)
-    "top_k", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+EXTENSIONS = {  # fields beyond OpenAI's, as vLLM's server names and defines them (speculate: specline's own)
+    "top_k", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
     "return_token_ids", "speculate"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
           "user", "n"} | EXTENSIONS
-HONOURED = {"completion": COMMON | {"prompt"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
+HONOURED = {"completion": COMMON | {"prompt", "add_special_tokens"}, "chat": COMMON | {"messages", "max_completion_tokens"}}
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # continuous: usage on every chunk (vLLM's)
 NEUTRAL: dict[str, tuple[Any, ...]] = {  # unsupported features, accepted at these values only
+    # OpenAI's
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
     "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
     "response_format": (None, {"type": "text"}), "service_tier": (None, "auto", "default"),
     "store": (None, False), "metadata": (None, {}), "modalities": (None, ["text"]),
-    "prompt_logprobs": (None,), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    # vLLM's extensions, at the defaults its server gives them
+    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0), "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "prompt_logprobs": (None,), "return_tokens_as_token_ids": (None, False), "priority": (None, 0),
+    "logits_processors": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,), "request_id": (None,), "cache_salt": (None,), "kv_transfer_params": (None,),
+    "vllm_xargs": (None,), "add_special_tokens": (None, False), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "documents": (None,), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None,),
 }
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -68,7 +83,7 @@ class Served:
     tokenizer: Any
     vocab_size: int
     max_model_len: int  # prompt + new tokens
-    eos_ids: tuple[int, ...]  # end the generation unless ignore_eos
+    eos_ids: tuple[int, ...]  # the special and stop ids the target may emit: end the generation unless ignore_eos
 
 
 @dataclass
@@ -84,8 +99,10 @@ class GenerateParams:
     seed: int = 0  # drawn at random when the client gave none
     stop: list[str] = field(default_factory=list)
     stop_token_ids: tuple[int, ...] = ()  # eos ids included unless ignore_eos
+    min_tokens: int = 0  # stop ids end the output only after this many tokens
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage on every chunk too
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
@@ -110,9 +127,9 @@ def parse_request(kind: str, body: dict[str, Any], served: Served) -> GeneratePa
     _check_model(body, served)
     prompt_ids = _completion_prompt(body, served) if kind == "completion" else _chat_prompt(body, served)
     stream = _typed(body, "stream", bool, False)
-    params = GenerateParams(kind, prompt_ids, _max_tokens(kind, body, len(prompt_ids), served), stream=stream,
-                            **_sampling(body, served.vocab_size), **_stops(body, served), **_options(body, stream))
-    return params
+    max_tokens = _max_tokens(kind, body, len(prompt_ids), served)
+    return GenerateParams(kind, prompt_ids, max_tokens, stream=stream, **_sampling(body, served.vocab_size),
+                          **_stops(body, served, max_tokens), **_options(body, stream))
 
 
 # ----------------------------------------------------------------------------- fields
@@ -199,7 +216,7 @@ def _sampling(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
             "seed": secrets.randbelow(MAX_SEED) if seed is None else seed}
 
 
-def _stops(body: dict[str, Any], served: Served) -> dict[str, Any]:
+def _stops(body: dict[str, Any], served: Served, max_tokens: int) -> dict[str, Any]:
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -210,7 +227,11 @@ def _stops(body: dict[str, Any], served: Served) -> dict[str, Any]:
     _check_ids(ids, served, "stop_token_ids")
     ignore_eos = _typed(body, "ignore_eos", bool, False)
     eos = () if ignore_eos else served.eos_ids
-    return {"stop": stop, "stop_token_ids": tuple(dict.fromkeys([*ids, *eos]))}
+    min_tokens = _typed(body, "min_tokens", int, 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise APIError(400, f"'min_tokens' must be in [0, max_tokens={max_tokens}], got {min_tokens}",
+                       param="min_tokens")
+    return {"stop": stop, "stop_token_ids": tuple(dict.fromkeys([*ids, *eos])), "min_tokens": min_tokens}
 
 
 def _options(body: dict[str, Any], stream: bool) -> dict[str, Any]:
@@ -218,12 +239,14 @@ def _options(body: dict[str, Any], stream: bool) -> dict[str, Any]:
     if options is not None and not stream:
         raise APIError(400, "'stream_options' is only allowed with stream=true", param="stream_options")
     options = options or {}
-    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
-    if unknown or options.get("continuous_usage_stats"):
-        raise APIError(400, f"'stream_options' supports include_usage only (got {sorted(options)})",
-                       param="stream_options")
+    unknown = sorted(set(options) - set(STREAM_OPTIONS))
+    if unknown:
+        raise APIError(400, f"'stream_options' supports {list(STREAM_OPTIONS)} only (got {unknown})",
+                       param=f"stream_options.{unknown[0]}", code="unknown_field")
+    usage = {key: _typed(options, key, bool, False) for key in STREAM_OPTIONS}
     user = _typed(body, "user", str, None)
-    return {"include_usage": bool(_typed(options, "include_usage", bool, False)),
+    return {"include_usage": usage["include_usage"],
+            "continuous_usage": usage["include_usage"] and usage["continuous_usage_stats"],
             "include_stop_str_in_output": _typed(body, "include_stop_str_in_output", bool, False),
             "skip_special_tokens": _typed(body, "skip_special_tokens", bool, True),
             "return_token_ids": _typed(body, "return_token_ids", bool, False),
@@ -254,7 +277,7 @@ def _completion_prompt(body: dict[str, Any], served: Served) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # one prompt in a batch of one
     if isinstance(prompt, str):
-        ids = served.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = served.tokenizer.encode(prompt, add_special_tokens=_typed(body, "add_special_tokens", bool, True))
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         _check_ids(prompt, served, "prompt")
         ids = list(prompt)
@@ -295,6 +318,11 @@ def _chat_prompt(body: dict[str, Any], served: Served) -> list[int]:
         raise APIError(400, "'messages' is required", param="messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list of messages", param="messages")
+    return _check_prompt_len(_templated(messages, served), served, "messages")
+
+
+def _templated(messages: list[Any], served: Served) -> list[int]:
+    """Checked messages through the target's chat template, with the assistant turn opened."""
     turns = [message_text(m, i) for i, m in enumerate(messages)]
     if getattr(served.tokenizer, "chat_template", None) is None:
         raise APIError(400, f"the model '{served.model}' has no chat template; use /v1/completions",
@@ -302,4 +330,32 @@ def _chat_prompt(body: dict[str, Any], served: Served) -> list[int]:
     ids = served.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding in some transformers versions
         ids = ids["input_ids"]
-    return _check_prompt_len(list(ids), served, "messages")
+    return list(ids)
+
+
+# ----------------------------------------------------------------------------- tokenizer routes
+def tokenize_request(body: dict[str, Any], served: Served) -> dict[str, Any]:
+    """``/tokenize`` as vLLM's: ``{"prompt"}`` or ``{"messages"}`` → ``{"count", "max_model_len", "tokens"}``."""
+    if ("prompt" in body) == ("messages" in body):
+        raise APIError(400, "give exactly one of 'prompt' (a string) or 'messages'", param="prompt")
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise APIError(400, "'add_special_tokens' must be a boolean", param="add_special_tokens")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise APIError(400, "'prompt' must be a string", param="prompt")
+        tokens = list(served.tokenizer.encode(body["prompt"], add_special_tokens=special))
+    else:
+        msgs = body["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise APIError(400, "'messages' must be a non-empty list of messages", param="messages")
+        tokens = _templated(msgs, served)
+    return {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
+
+
+def detokenize_request(body: dict[str, Any], served: Served) -> dict[str, Any]:
+    """``/detokenize`` as vLLM's: ``{"tokens"}`` → ``{"prompt"}``."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < served.vocab_size for t in tokens):
+        raise APIError(400, f"'tokens' must be a list of token ids in [0, {served.vocab_size})", param="tokens")
+    return {"prompt": served.tokenizer.decode(tokens)}

@@ -10,7 +10,8 @@ streamed chunk), named as vLLM's per-request spec-decode metrics::
                  "drafter": <served drafter id or null>, "speculate": bool}
 
 ``mean_acceptance_length`` = 1 + accepted / drafts (vLLM's definition: tokens per drafting
-round). Knows the OpenAI response schema; nothing about the engine's internals, HTTP or Ray.
+round). With ``stream_options.continuous_usage_stats`` (vLLM's) every chunk carries the usage
+so far. Knows the OpenAI response schema; nothing about the engine's internals, HTTP or Ray.
 """
 
 from __future__ import annotations
@@ -63,9 +64,12 @@ class Outcome:
         return {"spec_decode": self.spec.to_dict(), "drafter": self.drafter, "speculate": self.speculate}
 
     def usage(self) -> dict[str, int]:
-        done = len(self.token_ids)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done}
+        return usage(self.prompt_tokens, len(self.token_ids))
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _head(request_id: str, model: str, kind: str, chunk: bool) -> dict[str, Any]:
@@ -90,8 +94,9 @@ def full_response(request_id: str, model: str, params: GenerateParams, out: Outc
 
 
 def chunk(request_id: str, model: str, params: GenerateParams, text: str, token_ids: list[int] | None = None,
-          first: bool = False, out: Outcome | None = None) -> dict[str, Any]:
-    """One streamed chunk: a delta, or (``out`` given) the last one with its finish reason."""
+          first: bool = False, out: Outcome | None = None, usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """One streamed chunk: a delta, or (``out`` given) the last one with its finish reason;
+    ``usage`` (so far) goes in with ``continuous_usage_stats``, else null under ``include_usage``."""
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason if out else None}
     if params.kind == "chat":
         choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
@@ -101,7 +106,7 @@ def chunk(request_id: str, model: str, params: GenerateParams, text: str, token_
         choice["token_ids"] = token_ids
     body = _head(request_id, model, params.kind, chunk=True) | {"choices": [choice]}
     if params.include_usage:
-        body["usage"] = None
+        body["usage"] = usage if params.continuous_usage else None
     if out is not None:
         body["specline"] = out.specline()
     return body
@@ -111,6 +116,14 @@ def usage_chunk(request_id: str, model: str, params: GenerateParams, out: Outcom
     """The extra last chunk of ``stream_options.include_usage``: no choices, the usage."""
     return _head(request_id, model, params.kind, chunk=True) | {"choices": [], "usage": out.usage(),
                                                                 "specline": out.specline()}
+
+
+def model_card(model: str, max_model_len: int, drafter: dict[str, Any] | None,
+               engine: dict[str, Any]) -> dict[str, Any]:
+    """The ``/v1/models`` body: the served model, its drafter and the engine's settings."""
+    return {"object": "list", "data": [{
+        "id": model, "object": "model", "created": int(time.time()), "owned_by": "specline",
+        "max_model_len": max_model_len, "specline": {"drafter": drafter, "engine": engine}}]}
 
 
 def sse(data: dict[str, Any] | str) -> str:

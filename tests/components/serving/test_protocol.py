@@ -1,6 +1,6 @@
 """Request checks: every client mistake is a 400 (404 for another model) naming the field;
 supported fields come out as typed generation parameters; unsupported ones are refused unless
-they carry their neutral value."""
+they carry their neutral value; vLLM's own extensions are read as vLLM defines them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from components.serving.protocol import APIError, Served, parse_json, parse_request
+from components.serving.protocol import NEUTRAL, APIError, Served, parse_json, parse_request
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,14 @@ BAD = [  # (kind, body, status, param)
     ("completion", {"prompt": "x", "bogus": 1}, 400, "bogus"),
     ("completion", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completion", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("completion", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ("completion", {"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+    ("completion", {"prompt": "x", "stream": True, "stream_options": {"bogus": True}}, 400, "stream_options.bogus"),
+    ("completion", {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 1}}, 400,
+     "continuous_usage_stats"),
+    ("completion", {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("completion", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    ("chat", {**CHAT, "chat_template_kwargs": {"enable_thinking": True}}, 400, "chat_template_kwargs"),
     ("chat", {}, 400, "messages"),
     ("chat", {"messages": []}, 400, "messages"),
     ("chat", {"messages": "hi"}, 400, "messages"),
@@ -99,3 +107,41 @@ def test_defaults_and_chat_template(served, tiny_target):
     assert p.temperature == 1.0 and not p.stream and 0 <= p.seed  # a random seed when none is given
     q = parse_request("completion", {"prompt": ["one prompt"], "max_tokens": 3}, served)
     assert q.prompt_ids == tiny_target.tokenizer.encode("one prompt")
+
+
+VLLM_DEFAULTS = {  # vLLM's extra request fields at the values its server gives them when absent
+    "use_beam_search": False, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "length_penalty": 1.0,
+    "stop_token_ids": [], "include_stop_str_in_output": False, "ignore_eos": False, "min_tokens": 0,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+    "allowed_token_ids": None, "prompt_logprobs": None, "bad_words": [], "priority": 0,
+    "return_tokens_as_token_ids": False, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_grammar": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+    "structured_outputs": None, "logits_processors": None, "request_id": None, "cache_salt": None,
+    "kv_transfer_params": None, "vllm_xargs": None}
+VLLM_CHAT_DEFAULTS = {"echo": False, "add_generation_prompt": True, "continue_final_message": False,
+                      "add_special_tokens": False, "documents": None, "chat_template": None,
+                      "chat_template_kwargs": None, "mm_processor_kwargs": None}
+
+
+def test_vllm_extensions_at_their_defaults_are_accepted(served):
+    done = parse_request("completion", {"prompt": "x", "max_tokens": 3, **VLLM_DEFAULTS, "add_special_tokens": True},
+                         served)
+    assert done.stop_token_ids == (2,) and done.min_tokens == 0 and done.top_k == 0
+    chat = parse_request("chat", {**CHAT, "max_completion_tokens": 3, **VLLM_DEFAULTS, **VLLM_CHAT_DEFAULTS}, served)
+    assert chat.max_tokens == 3
+    assert set(VLLM_DEFAULTS) | set(VLLM_CHAT_DEFAULTS) <= set(NEUTRAL) | {
+        "top_k", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens"}
+
+
+def test_vllm_extensions_are_honoured(served, tiny_target):
+    """The body a vLLM load-testing tool sends, then min_tokens and add_special_tokens."""
+    body = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "max_completion_tokens": 5, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    p = parse_request("chat", body, served)
+    assert p.include_usage and p.continuous_usage and p.max_tokens == 5 and p.stop_token_ids == ()
+    alone = {**body, "stream_options": {"continuous_usage_stats": True}}
+    assert not parse_request("chat", alone, served).continuous_usage  # vLLM's: only with include_usage
+    assert parse_request("completion", {"prompt": "x", "max_tokens": 6, "min_tokens": 4}, served).min_tokens == 4
+    bare = parse_request("completion", {"prompt": "one", "add_special_tokens": False}, served)
+    assert bare.prompt_ids == tiny_target.tokenizer.encode("one", add_special_tokens=False)

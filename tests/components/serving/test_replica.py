@@ -57,7 +57,7 @@ def test_greedy_is_the_targets_own_and_counted(replica, tiny_target):
     outs = asyncio.run(_many(replica, [_greedy(p) for p in prompts]))
     assert [o.token_ids for o in outs] == [greedy_reference(tiny_target, p, NEW) for p in prompts]
     assert all(o.spec.drafted for o in outs) and replica.admitted == 0
-    replica.poll_metrics()
+    replica.counters.export()
     text = replica.metrics.render()
     assert replica.metrics.value("vllm:spec_decode_num_drafts") > 0
     assert 'vllm:request_success_total{model_name="tiny",finished_reason="length"} 6' in text
@@ -85,7 +85,7 @@ def test_drafter_failure_falls_back_losslessly(replica, tiny_target):
     outs = asyncio.run(_many(replica, bodies))
     assert [o.token_ids for o in outs[:4]] == [greedy_reference(tiny_target, p, NEW) for p in prompts]
     assert replica.parts.drafter.failures >= 1 and replica.healthy
-    replica.poll_metrics()
+    replica.counters.export()
     assert replica.metrics.value("specline:spec_decode_fallbacks") >= 1
     # the same sampled request without speculation: the Gumbel rule makes it the same output
     plain = asyncio.run(_run(replica, {**bodies[-1], "speculate": False}))
@@ -102,7 +102,7 @@ def test_engine_failure_makes_the_replica_unhealthy(replica, tiny_target):
         asyncio.run(_run(replica, _greedy(prompt_ids(tiny_target, 1)[0])))
     assert info.value.status == 503 and "device lost" in info.value.message
     with pytest.raises(RuntimeError, match="engine is dead"):
-        replica.check_health()
+        replica.life.check_health()
     assert replica.status()["status"] == "dead"
     with pytest.raises(APIError) as info:
         replica.admit()
@@ -119,11 +119,11 @@ def test_requests_are_refused_until_the_warm_up_is_done(tiny_target_cfg, tiny_ta
         err = info.value
         assert (err.status, err.code, err.headers) == (503, "warming_up", {"Retry-After": "2"})
         assert rep.status()["status"] == "warming_up" and not rep.healthy and rep.admitted == 0
-        rep.check_health()  # passes while warming up: Ray Serve would count a failure as a failed start
+        rep.life.check_health()  # passes while warming up: Ray Serve would count a failure as a failed start
         assert warm_up_steps(rep, sc) == []  # fixed γ: nothing but the warm-up generation
         assert rep.warm_up() and rep.healthy and rep.status()["status"] == "ok"
         assert parts.engine.stats.drafting_rounds > 0  # the warm-up generation ran, speculatively
-        rep.poll_metrics()
+        rep.counters.export()
         assert rep.metrics.value("vllm:spec_decode_num_drafts") == 0  # ... and is not exported as traffic
         prompt = prompt_ids(tiny_target, 1)[0]
         assert asyncio.run(_run(rep, _greedy(prompt))).token_ids == greedy_reference(tiny_target, prompt, NEW)
@@ -151,9 +151,10 @@ def test_warm_up_measures_the_adaptive_cap_or_fails_the_replica(tiny_target_cfg,
 
     failed = Replica(parts, served_for(parts.target, sc, "tiny"), 2)
     assert not failed.warm_up([("round profile", broken)])
-    assert failed.status()["status"] == "dead" and "round profile" in failed.error and "read-only" in failed.error
+    error = failed.life.error
+    assert failed.status()["status"] == "dead" and "round profile" in error and "read-only" in error
     with pytest.raises(RuntimeError, match="read-only"):
-        failed.check_health()
+        failed.life.check_health()
     with pytest.raises(APIError) as info:
         failed.admit()
     assert info.value.status == 503 and info.value.code == "engine_dead"
@@ -221,3 +222,22 @@ def test_dloop_is_on_by_default_and_the_adaptive_cap_decides_its_stages(tiny_tar
     assert off.settings["loop_stages"] == 1 and off.engine.max_cap == off.engine.num_speculative_tokens
     with pytest.raises(ConfigError, match="loop_stages must be at least 1"):
         ServeConfig(loop_stages=0)
+
+
+def test_min_tokens_lets_early_stop_ids_pass_and_stays_lossless(replica, tiny_target):
+    """vLLM's min_tokens: a stop id ends the output only past min_tokens; the tokens are the
+    target's own greedy ones throughout (an early stop id is generated, it just does not end it)."""
+    prompt, n = prompt_ids(tiny_target, 2)[1], 24
+    ref = greedy_reference(tiny_target, prompt, n)
+    stop = max(set(ref), key=lambda t: (ref.count(t), -ref.index(t)))  # a token the output repeats
+    first = ref.index(stop)
+
+    def expected(min_tokens: int) -> tuple[list[int], str]:
+        ends = [i for i, t in enumerate(ref) if t == stop and i + 1 > min_tokens]
+        return (ref[:ends[0] + 1], "stop") if ends else (ref, "length")
+
+    for min_tokens in (0, first + 1, n):
+        body = {**_greedy(prompt), "max_tokens": n, "stop_token_ids": [stop], "min_tokens": min_tokens}
+        out = asyncio.run(_run(replica, body))
+        assert (out.token_ids, out.finish_reason) == expected(min_tokens), min_tokens
+    assert replica.admitted == 0

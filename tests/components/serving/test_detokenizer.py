@@ -3,7 +3,7 @@ across token boundaries and no part of it ever reaches a delta; split characters
 
 from __future__ import annotations
 
-from components.serving.decode import TextStream
+from components.serving.detokenizer import TextStream
 
 
 def _feed(stream: TextStream, tokens: list[int], per_push: int = 1) -> list[str]:

@@ -1,4 +1,5 @@
-"""Token ids → text deltas for one streamed generation, with stop strings.
+"""Incremental detokenization: token ids → text deltas for one streamed generation, with stop
+strings (and stop token ids, when the serving layer rather than the engine ends on them).
 
 ``TextStream.push(tokens)`` takes each round's new tokens and returns the text that may be sent
 now. Text is decoded from all tokens so far (so a character split over two byte-level tokens
@@ -12,6 +13,9 @@ comes out whole), and two things are held back until the next tokens decide them
 When a stop string is found, the text before it (or through it, with ``include_stop``) is the
 last delta, ``stopped`` is set and ``stop_at_token`` says how many tokens the output has then.
 ``finish()`` releases whatever was held back when the generation ends otherwise.
+
+Given ``stop_token_ids``, the first of them after ``min_tokens`` tokens ends the output the same
+way (the token kept, as the engine keeps it); earlier ones do not.
 
 Knows a tokenizer's ``decode``; nothing about the engine, HTTP or the OpenAI schema.
 """
@@ -28,26 +32,30 @@ class TextStream:
     """Incremental detokenization of one generation (see the module docstring)."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, stop_token_ids: Sequence[int] = (), min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.stop_ids, self.min_tokens = frozenset(int(t) for t in stop_token_ids), int(min_tokens)
         self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
         self.tokens: list[int] = []
         self.sent = ""  # text already returned
-        self.stopped: str | None = None  # the stop string that ended the text
+        self.stopped: str | None = None  # the stop string (or the stop token's text) that ended it
         self.stop_at_token: int | None = None  # tokens in the output when it stopped
 
     def push(self, tokens: Sequence[int]) -> str:
         """The next delta after ``tokens`` (may be empty); nothing after a stop string."""
         if self.stopped is not None:
             return ""
-        if not self.stop:
+        if not self.stop and not self.stop_ids:
             self.tokens += [int(t) for t in tokens]
             return self._emit(self._decode().rstrip(REPLACEMENT))
-        for token in tokens:  # token by token: a stop string ends the output at its token
+        for token in tokens:  # token by token: a stop string or id ends the output at its token
             self.tokens.append(int(token))
             text = self._decode()
+            if int(token) in self.stop_ids and len(self.tokens) > self.min_tokens:
+                self.stopped, self.stop_at_token = self.tokenizer.decode([int(token)]), len(self.tokens)
+                return self._emit(text)
             hit = self._find_stop(text)
             if hit is not None:
                 return self._stop_at(text, *hit)
