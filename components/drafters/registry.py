@@ -150,5 +150,4 @@ def with_draft_vocab(drafter: Drafter, target: Any, token_counts: Tensor) -> Dra
 
 def target_special_ids(target: Any) -> list[int]:
     """The special and stop tokens ``target`` may emit (always kept in a draft vocabulary)."""
-    generation = getattr(getattr(target, "model", None), "generation_config", None)
-    return special_token_ids(target.tokenizer, getattr(generation, "eos_token_id", None))
+    return special_token_ids(target.tokenizer, list(target.eos_ids))

@@ -81,13 +81,11 @@ def model_id(cfg: SpeclineConfig) -> str:
 
 
 def served_for(target: Any, sc: ServeConfig, model: str) -> Served:
-    """What request checks need of ``target``: a generation ends at any special or stop token
-    it may emit (``target_special_ids``, the set a draft vocabulary keeps), unless ignore_eos."""
-    from components.drafters.registry import target_special_ids
-
+    """What request checks need of ``target``: a generation ends at its eos ids (``Target.eos_ids``)
+    unless ignore_eos."""
     positions = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30)
     return Served(model, target.tokenizer, target.vocab_size, min(sc.max_model_len or positions, positions),
-                  tuple(target_special_ids(target)))
+                  target.eos_ids)
 
 
 def deployment_options(sc: ServeConfig) -> dict[str, Any]:

@@ -133,6 +133,14 @@ class Target:
         return self.embed_tokens.weight.device
 
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The ids that end a generation: the generation config's eos ids, then the tokenizer's."""
+        generation = getattr(self.model, "generation_config", None)
+        eos = getattr(generation, "eos_token_id", None)
+        ids = [*(eos if isinstance(eos, (list, tuple)) else [eos]), self.tokenizer.eos_token_id]
+        return tuple(dict.fromkeys(int(i) for i in ids if i is not None and int(i) >= 0))
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
