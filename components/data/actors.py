@@ -66,12 +66,10 @@ class Tally:
         self.records += records
         self.tokens += tokens
 
-    def line(self) -> str:
-        """``data: 48/160 records, 9,210 tokens, 38 tok/s`` (empty before the first batch)."""
-        if not self.records:
-            return ""
+    def progress(self) -> tuple[int, str]:
+        """(records done, ``data: 48/160 records, 9,210 tokens, 38 tok/s``)."""
         rate = self.tokens / max(time.time() - self.started, 1e-9)
-        return f"data: {self.records:,}/{self.todo:,} records, {self.tokens:,} tokens, {rate:.0f} tok/s"
+        return self.records, f"data: {self.records:,}/{self.todo:,} records, {self.tokens:,} tokens, {rate:.0f} tok/s"
 
 
 def start_tally(records_todo: int) -> Any:

@@ -35,7 +35,7 @@ from components.data.source import TargetDescription, generation_params, record_
 
 Progress = Callable[[dict[str, Any]], None]
 Lines = Callable[[str], None]
-LINE_EVERY_S = 5.0  # how often the live progress line is read (shown only when it changed)
+LINE_EVERY_S = 5.0  # how often the live progress line is read (shown when more records are done)
 
 
 def build_shards(cfg: SpeclineConfig, desc: TargetDescription, prompts: Sequence[Prompt], stats: PromptStats,
@@ -103,15 +103,16 @@ def _write_missing(cfg: SpeclineConfig, desc: TargetDescription, meta: RecordMet
 
 
 def _watch(tally: Any, lines: Lines, stop: threading.Event) -> None:
-    """Every LINE_EVERY_S (and once at the end): the tally's line to ``lines`` when it changed."""
+    """Every LINE_EVERY_S (and once at the end): the tally's line to ``lines`` when more records
+    are done than the last line said."""
     import ray
 
-    last = ""
+    shown = 0
     while True:
         stopping = stop.wait(LINE_EVERY_S)
-        line = ray.get(tally.line.remote())
-        if line and line != last:
+        done, line = ray.get(tally.progress.remote())
+        if done > shown:
             lines(line)
-            last = line
+            shown = done
         if stopping:
             return

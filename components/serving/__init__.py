@@ -7,7 +7,7 @@
 * ``replica``     -- one engine's admission (overload → 503/429 + Retry-After) and generation;
 * ``lifecycle``   -- warming up → ok | dead: what /health, Serve's health check and the routes answer;
 * ``counters``    -- the engine's counters (diffed by field name) and each request's latencies → metrics;
-* ``parts``       -- target, drafter and batch engine from the config (adaptive cap, stored profile);
+* ``assemble``    -- target, drafter and batch engine from the config (adaptive cap, stored profile);
 * ``fallback``    -- a drafter wrapper: a drafter failure turns the affected requests plain, losslessly;
 * ``telemetry``   -- vLLM-named metrics into Ray and this replica's ``/metrics``;
 * ``provenance``  -- which drafter checkpoint is served (path, MLflow run id, the train stage's);

@@ -114,7 +114,7 @@ def deployment_options(sc: ServeConfig) -> dict[str, Any]:
 def build_replica(cfg: SpeclineConfig, target_path: str, source: DrafterSource, model: str) -> Replica:
     """One replica's engine parts (target, guarded drafter, batch engine) behind a ``Replica``,
     not yet warm (``warm_up_steps``, ``Replica.warm_up``)."""
-    from components.serving.parts import build_parts
+    from components.serving.assemble import build_parts
     from components.serving.telemetry import ServingMetrics
 
     sc = cfg.serve
@@ -128,7 +128,7 @@ def build_replica(cfg: SpeclineConfig, target_path: str, source: DrafterSource, 
 
 def warm_up_steps(replica: Replica, sc: ServeConfig) -> list[tuple[str, Callable[[], None]]]:
     """The warm-up's own steps before the warm-up generation: the adaptive cap's round profile."""
-    from components.serving.parts import adapt
+    from components.serving.assemble import adapt
 
     if not sc.adaptive or replica.parts.drafter is None:
         return []

@@ -83,7 +83,7 @@ class Served:
     tokenizer: Any
     vocab_size: int
     max_model_len: int  # prompt + new tokens
-    eos_ids: tuple[int, ...]  # the special and stop ids the target may emit: end the generation unless ignore_eos
+    eos_ids: tuple[int, ...]  # the target's eos ids (Target.eos_ids): end the generation unless ignore_eos
 
 
 @dataclass

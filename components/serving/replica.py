@@ -10,7 +10,7 @@ the ``Outcome`` with usage and the request's speculative statistics. Leaving ``g
 next round.
 
 A new ``Replica`` is warming up (``lifecycle.py``) until ``warm_up(steps)`` has run its steps
-(the caller's: e.g. ``parts.adapt``, the adaptive cap's round profile), started the engine thread
+(the caller's: e.g. ``assemble.adapt``, the adaptive cap's round profile), started the engine thread
 and completed one short greedy generation (the first rounds' one-time costs are paid before
 traffic; its counters are not exported, ``counters.py``). A failed warm-up, or an
 ``EngineError`` in any stream, makes it dead for good.
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from components.engine import AsyncEngine, EngineError, Request
+from components.serving.assemble import EngineParts
 from components.serving.counters import EngineCounters, drafter_failures, observe_request
 from components.serving.detokenizer import TextStream
 from components.serving.lifecycle import Lifecycle
-from components.serving.parts import EngineParts
 from components.serving.protocol import APIError, GenerateParams, Served
 from components.serving.responses import Outcome, SpecStats
 from components.serving.telemetry import ServingMetrics

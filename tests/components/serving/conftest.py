@@ -11,7 +11,7 @@ import torch
 from components.config import DrafterConfig, ServeConfig
 from components.engine import target_only_generate
 from components.serving.app import served_for
-from components.serving.parts import build_parts
+from components.serving.assemble import build_parts
 from components.serving.provenance import DrafterSource
 
 SERVING_DRAFTER = DrafterConfig(name="dspark", num_layers=1, block_size=4, markov_rank=8)

@@ -15,7 +15,7 @@ import pytest
 from components.config import ConfigError, ServeConfig
 from components.engine.adaptive.profile import profile_key
 from components.serving.app import served_for, warm_up_steps
-from components.serving.parts import build_parts
+from components.serving.assemble import build_parts
 from components.serving.protocol import APIError, parse_request
 from components.serving.provenance import DrafterSource
 from components.serving.replica import Replica
