@@ -1,1 +1,1 @@
-"""specline building blocks, importable without Ray, cut by concern (see DESIGN.md)."""
+"""specline building blocks, importable without Ray, cut by concern (see docs/architecture.md)."""

@@ -30,7 +30,7 @@ from components.drafters.errors import DrafterError
 if TYPE_CHECKING:
     import torch
 
-    from components.drafters.base import DraftBatch, DraftState, DraftTrainOutput, Proposal
+    from components.drafters.exchange import DraftBatch, DraftState, DraftTrainOutput, Proposal
     from components.drafters.layers import KV
     from components.spec.sampling import SamplingParams
     from components.spec.trees import CausalHead

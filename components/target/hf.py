@@ -1,6 +1,6 @@
 """A target model: any Hugging Face causal LM, with hidden-state capture at chosen layers.
 
-Layer convention (DESIGN.md): ``layer i`` is the output of decoder layer i, 0-based, which is
+Layer convention (docs/architecture.md): ``layer i`` is the output of decoder layer i, 0-based, which is
 HF ``hidden_states[i + 1]``. Captures use forward hooks on the decoder layers, so the last
 layer is captured *before* the final norm and the target distribution can be recomputed from
 it with the frozen head: ``logits = lm_head(final_norm(h_last))``.

@@ -1,7 +1,8 @@
 """No import circle anywhere in ``components/``, read off the source (no imports run).
 
 An edge is ``module → the components module it imports``, at the top of a file or inside a
-function; imports under ``if TYPE_CHECKING:`` are annotations only and not followed. ``from
+function; imports under ``if TYPE_CHECKING:`` are annotations only and followed by one test
+only, which holds them to the same rule (a type is imported from where it lives). ``from
 package import name`` points at the submodule ``name`` when there is one, else at the package's
 ``__init__``. A package's ``__init__`` may re-export its modules; a module that imports its own
 package's ``__init__`` would close a circle and is reported like any other."""
@@ -32,12 +33,17 @@ def runtime_imports(tree: ast.AST) -> list[ast.AST]:
     return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
 
 
-def import_graph() -> dict[str, set[str]]:
+def all_imports(tree: ast.AST) -> list[ast.AST]:
+    """Every import node, those under ``if TYPE_CHECKING:`` too."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def import_graph(imports=runtime_imports) -> dict[str, set[str]]:
     modules = {module_name(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found: set[str] = set()
-        for node in runtime_imports(ast.parse(path.read_text())):
+        for node in imports(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
             elif node.module:
@@ -58,6 +64,14 @@ def test_no_import_circle_in_components():
         list(TopologicalSorter(import_graph()).static_order())
     except CycleError as err:
         raise AssertionError(f"import circle in components/: {' -> '.join(err.args[1])}") from None
+
+
+def test_no_import_circle_even_through_type_only_imports():
+    """Annotations import from where a type lives, never from a module that imports them back."""
+    try:
+        list(TopologicalSorter(import_graph(all_imports)).static_order())
+    except CycleError as err:
+        raise AssertionError(f"type-only import circle in components/: {' -> '.join(err.args[1])}") from None
 
 
 def test_components_never_import_the_stages():
