@@ -18,20 +18,22 @@ class RuleUse:
 
     samples: bool  # draws from the target's distribution (temperature > 0); greedy does not
     trees: bool  # verifies a token tree (the batch-1 tree engine)
-    batched_trees: bool  # in a tree its output does not depend on the drafts: the batch engine's lone row may use one
+    # the output is a function of the target and the seed, whatever the drafts (greedy; Gumbel with
+    # shared noise): the eval holds it equal to target_only's, a lone batch row may verify a tree with it
+    coupled: bool
 
 
 RULE_USES: dict[str, RuleUse] = {
-    "greedy": RuleUse(samples=False, trees=True, batched_trees=True),
-    "gumbel": RuleUse(samples=True, trees=True, batched_trees=True),
-    "speculative": RuleUse(samples=True, trees=True, batched_trees=False),
-    "block": RuleUse(samples=True, trees=False, batched_trees=False),
+    "greedy": RuleUse(samples=False, trees=True, coupled=True),
+    "gumbel": RuleUse(samples=True, trees=True, coupled=True),
+    "speculative": RuleUse(samples=True, trees=True, coupled=False),
+    "block": RuleUse(samples=True, trees=False, coupled=False),
 }
 
 
 def rules_where(samples: bool | None = None, trees: bool | None = None,
-                batched_trees: bool | None = None) -> list[str]:
+                coupled: bool | None = None) -> list[str]:
     """The rule names (in table order) whose uses match every flag given."""
-    wanted = {k: v for k, v in (("samples", samples), ("trees", trees), ("batched_trees", batched_trees))
+    wanted = {k: v for k, v in (("samples", samples), ("trees", trees), ("coupled", coupled))
               if v is not None}
     return [name for name, use in RULE_USES.items() if all(getattr(use, k) == v for k, v in wanted.items())]

@@ -13,7 +13,7 @@ depend on how the sequence was cut into rounds.
   drafter; token-wise speculative sampling (``verify_speculative``);
 * ``block``       -- as ``speculative`` with block verification (``verify_block``); chains only.
 
-Each rule declares where it may be used (``samples``, ``trees``, ``batched_trees``: the table
+Each rule declares where it may be used (``samples``, ``trees``, ``coupled``: the table
 ``components.ruleset.RULE_USES`` says the same for the config, a test holds them equal) and
 verifies a token tree itself (``verify_tree``) when it can.
 
@@ -72,7 +72,7 @@ class Rule:
     verifies_rows = False  # True: ``verify_rows`` takes many requests at once
     samples = True  # draws from the target's distribution (temperature > 0)
     trees = False  # True: ``verify_tree`` verifies a token tree
-    batched_trees = False  # True: in a tree the output does not depend on the drafts (a lone batch row may use one)
+    coupled = False  # True: the output is f(target, seed) whatever the drafts (a lone batch row may verify a tree)
 
     def draft_sampling(self, rnd: RoundRandomness) -> SamplingParams:
         """The settings the drafter proposes with."""
@@ -112,7 +112,7 @@ class GreedyRule(Rule):
     name = "greedy"
     verifies_rows = True
     samples = False
-    trees = batched_trees = True
+    trees = coupled = True
 
     def draft_sampling(self, rnd: RoundRandomness) -> SamplingParams:
         return GREEDY
@@ -134,7 +134,7 @@ class GreedyRule(Rule):
 
 class GumbelRule(Rule):
     name = "gumbel"
-    trees = batched_trees = True
+    trees = coupled = True
 
     @staticmethod
     def noise(positions: Tensor, vocab_size: int, rnd: RoundRandomness) -> Tensor:  # [B, L, V]

@@ -238,9 +238,9 @@ def check_methods(ev: EvalConfig) -> list[str]:
         raise ConfigError(f"eval.methods: {list(ev.methods)} names a method twice")
     if ev.rule not in RULES:
         raise ConfigError(f"eval.rule: '{ev.rule}' is not one of {sorted(RULES)}")
-    if ev.rule == "greedy" and ev.temperature > 0:
-        raise ConfigError("eval.temperature: > 0 needs a sampling rule (eval.rule=speculative|block|gumbel); "
-                          "the greedy rule ignores it")
+    if ev.temperature > 0 and ev.rule not in rules_where(samples=True):
+        raise ConfigError(f"eval.temperature: > 0 needs a sampling rule (eval.rule={'|'.join(rules_where(samples=True))}); "
+                          f"the {ev.rule} rule ignores it")
     for key in ("num_prompts", "max_new_tokens", "lookup_num_speculative_tokens", "lookup_max_ngram", "vllm_num_speculative_tokens"):
         if getattr(ev, key) < 1:
             raise ConfigError(f"eval.{key}: must be at least 1 (got {getattr(ev, key)})")
@@ -252,7 +252,7 @@ def check_methods(ev: EvalConfig) -> list[str]:
 def exact_methods(ev: EvalConfig, methods: list[str]) -> set[str]:
     """Methods whose output must equal target_only's token for token under these settings:
     ours under greedy decoding or Gumbel coupling (output = f(target, seed)); the peers only greedy."""
-    ours = ev.temperature == 0 or ev.rule in ("greedy", "gumbel")
+    ours = ev.temperature == 0 or ev.rule in rules_where(coupled=True)
     return {m for m in methods if (ours if METHODS[m].peer == "ours" else ev.temperature == 0)}
 
 

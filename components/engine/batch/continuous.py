@@ -66,7 +66,7 @@ class BatchEngine:
         resolved already (``settings.resolve_settings``); else resolved here from γ, DLoop,
         carryover, ``preallocate`` (the batch's KV cache grows in place in a buffer with
         headroom, ``cache.slab``) and ``tree_budget`` > 0 (a lone request of a rule with
-        ``batched_trees`` drafts a token tree of that many nodes, ``tree_builder``: ddtree or
+        ``coupled`` drafts a token tree of that many nodes, ``tree_builder``: ddtree or
         causal, instead of a chain: ``tree_round.py``). ``compact_at``: the fraction of the
         ragged cache's width that compaction would free, above which it is compacted after a
         round. ``draft_length``: the per-round cap on drafts (default fixed γ·stages;

@@ -4,7 +4,7 @@ instead of a chain (``settings.tree_budget`` > 0).
 A verify pass over one row is memory-bound: N + 1 tokens cost little more than γ + 1 on an
 accelerator, and a tree of N nodes keeps the best alternatives at every depth where a chain
 keeps one. So when the batch has shrunk to one row (a quiet server, the last request of a
-batch) and that row's rule declares ``batched_trees`` (its tree output is the target's own
+batch) and that row's rule declares ``coupled`` (its tree output is the target's own
 whatever was drafted: greedy, Gumbel coupling), the round is ``tree.tree_round`` on that row:
 the ragged cache is compacted to the row's committed slots (so the tree's 4-D mask can sit
 right after them), and the round's cache becomes the batch's again. With two or more rows,
@@ -29,7 +29,7 @@ from components.engine.tree import tree_round
 
 
 class TreeRounds:
-    """Tree rounds of a lone row whose rule declares ``batched_trees``."""
+    """Tree rounds of a lone row whose rule declares ``coupled``."""
 
     def __init__(self, target: Any, drafter: Any, settings: EngineSettings):
         """``settings.tree_budget`` nodes per round; 0: never (every round is a chain)."""
@@ -40,7 +40,7 @@ class TreeRounds:
         if self.settings.tree_budget <= 0 or len(batch.rows) != 1:
             return None
         row = batch.rows[0]
-        return row if row.speculates and row.rule.batched_trees else None
+        return row if row.speculates and row.rule.coupled else None
 
     def round(self, batch: Batch, row: Row) -> tuple[list[StepOutput], int, int, float, float]:
         """One tree round of ``batch``'s lone ``row`` (no deferred drafter updates left) →

@@ -42,7 +42,7 @@ def test_only_rules_without_per_request_randomness_verify_rows_together():
 
 def test_the_light_rule_table_says_what_the_rules_declare():
     """``components.ruleset`` (read by the config, without torch) matches the rule objects."""
-    declared = {name: RuleUse(rule.samples, rule.trees, rule.batched_trees) for name, rule in RULES.items()}
+    declared = {name: RuleUse(rule.samples, rule.trees, rule.coupled) for name, rule in RULES.items()}
     assert declared == RULE_USES
 
 
