@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import math
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,12 +83,16 @@ def launch(cfg: SpeclineConfig, dataset: Any, loop_config: dict[str, Any], stora
         run_config=RunConfig(name=name, storage_path=str(storage),
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints)))
+    ctrl_c = signal.getsignal(signal.SIGINT)
     try:
         return trainer.fit()
     except Exception as err:
         text = str(err).strip()
         raise TrainingFailed(f"train: Ray Train failed after {tc.max_failures} restart(s): "
                              f"{text.splitlines()[-1] if text else type(err).__name__}") from err
+    finally:  # Ray Train leaves its own Ctrl-C handler behind, which would swallow a later stage's Ctrl-C
+        if threading.current_thread() is threading.main_thread() and ctrl_c is not None:
+            signal.signal(signal.SIGINT, ctrl_c)
 
 
 def fit_objective(cfg: SpeclineConfig, stage: ObjectiveStage, dataset: Any, loop_config: dict[str, Any],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,10 @@ def test_data_then_train_from_a_fresh_directory_with_the_default_relative_run_di
     assert cfg.run_dir == str(clone / "runs")  # the default run_dir: relative, made absolute here
     cfg = dataclasses.replace(cfg, target=tiny_target_cfg)
     tracker = Tracker(cfg)
+    ctrl_c = signal.getsignal(signal.SIGINT)
     with tracker.run("pipeline"):
         out = full.run(cfg, tracker, {})
+    assert signal.getsignal(signal.SIGINT) is ctrl_c  # Ray Train's handler would swallow the serve stage's Ctrl-C
     assert out["num_records"] == 10 and Path(out["data_dir"]) == clone / "runs" / "data"
     assert Path(out["drafter_path"]) == clone / "runs" / "train" / "drafter"
     vocab = json.loads((clone / "runs" / "train" / "draft_vocab" / "config.json").read_text())
