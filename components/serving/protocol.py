@@ -14,8 +14,10 @@ field path (``messages[1].content``), 404 for an unknown model, not FastAPI's 42
 Prompts are tokenized here (a string, token ids, or messages through the target's chat
 template) because their length decides errors: an empty prompt, a prompt past the context,
 ``max_tokens`` past what is left of it, token ids outside the vocabulary; so are the bodies of
-vLLM's ``/tokenize`` and ``/detokenize``. Knows the OpenAI schema, a tokenizer and the context
-length; nothing about the engine, HTTP or Ray.
+vLLM's ``/tokenize`` and ``/detokenize``. The sampling fields become the engine's own
+``SamplingParams`` here, so a new one is a field there and its check here. Knows the OpenAI
+schema, a tokenizer, the context length and ``SamplingParams``; nothing about the engine, HTTP
+or Ray.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
+
+from components.spec.sampling import SamplingParams
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
@@ -93,9 +97,7 @@ class GenerateParams:
     kind: str  # "completion" | "chat"
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # temperature 0: greedy
     seed: int = 0  # drawn at random when the client gave none
     stop: list[str] = field(default_factory=list)
     stop_token_ids: tuple[int, ...] = ()  # eos ids included unless ignore_eos
@@ -212,8 +214,8 @@ def _sampling(body: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     seed = _typed(body, "seed", int, None)
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise APIError(400, f"'seed' must be in [0, 2^63 - 1], got {seed}", param="seed")
-    return {"temperature": temperature, "top_p": top_p, "top_k": top_k if 0 < top_k < vocab_size else 0,
-            "seed": secrets.randbelow(MAX_SEED) if seed is None else seed}
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k if 0 < top_k < vocab_size else 0)
+    return {"sampling": sampling, "seed": secrets.randbelow(MAX_SEED) if seed is None else seed}
 
 
 def _stops(body: dict[str, Any], served: Served, max_tokens: int) -> dict[str, Any]:

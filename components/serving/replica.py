@@ -41,7 +41,7 @@ from components.serving.lifecycle import Lifecycle
 from components.serving.protocol import APIError, GenerateParams, Served
 from components.serving.responses import Outcome, SpecStats
 from components.serving.telemetry import ServingMetrics
-from components.spec.sampling import GREEDY, SamplingParams
+from components.spec.sampling import GREEDY
 
 WARM_UP_PROMPT = "def hello(name):\n    return"  # any text: the warm-up generation's prompt
 
@@ -130,9 +130,8 @@ class Replica:
 
     # ------------------------------------------------------------------ generation
     def request_for(self, params: GenerateParams, request_id: str) -> Request:
-        greedy = params.temperature <= 0
-        sampling = GREEDY if greedy else SamplingParams(
-            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        greedy = params.sampling.temperature <= 0
+        sampling = GREEDY if greedy else params.sampling
         return Request(params.prompt_ids, params.max_tokens, sampling, params.seed,
                        "greedy" if greedy else self.sampled_rule, () if params.min_tokens else params.stop_token_ids,
                        speculate=params.speculate, request_id=request_id)

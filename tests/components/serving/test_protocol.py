@@ -9,6 +9,7 @@ import json
 import pytest
 
 from components.serving.protocol import NEUTRAL, APIError, Served, parse_json, parse_request
+from components.spec.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +89,11 @@ def test_fields_are_honoured(served, tiny_target):
             "user": "u1", "n": 1, "logprobs": None, "presence_penalty": 0, "speculate": False,
             "return_token_ids": True, "model": "tiny"}
     p = parse_request("completion", json.loads(json.dumps(body)), served)
-    assert (p.prompt_ids, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == ([5, 6, 7], 9, 0.7, 0.9, 20, 11)
+    assert (p.prompt_ids, p.max_tokens, p.sampling, p.seed) == ([5, 6, 7], 9, SamplingParams(0.7, 20, 0.9), 11)
     assert p.stop == ["##"] and p.stop_token_ids == (9, 2) and p.stream and p.include_usage
     assert not p.speculate and p.return_token_ids and p.user == "u1"
     assert parse_request("completion", {**body, "ignore_eos": True}, served).stop_token_ids == (9,)
-    assert parse_request("completion", {**body, "top_k": 10**30}, served).top_k == 0  # ≥ vocabulary: off
+    assert parse_request("completion", {**body, "top_k": 10**30}, served).sampling.top_k == 0  # ≥ vocabulary: off
 
 
 def test_defaults_and_chat_template(served, tiny_target):
@@ -104,7 +105,7 @@ def test_defaults_and_chat_template(served, tiny_target):
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected
     assert p.prompt_ids == list(expected)
     assert p.max_tokens == 64 - len(p.prompt_ids)  # the rest of the context, as vLLM
-    assert p.temperature == 1.0 and not p.stream and 0 <= p.seed  # a random seed when none is given
+    assert p.sampling.temperature == 1.0 and not p.stream and 0 <= p.seed  # a random seed when none is given
     q = parse_request("completion", {"prompt": ["one prompt"], "max_tokens": 3}, served)
     assert q.prompt_ids == tiny_target.tokenizer.encode("one prompt")
 
@@ -126,7 +127,7 @@ VLLM_CHAT_DEFAULTS = {"echo": False, "add_generation_prompt": True, "continue_fi
 def test_vllm_extensions_at_their_defaults_are_accepted(served):
     done = parse_request("completion", {"prompt": "x", "max_tokens": 3, **VLLM_DEFAULTS, "add_special_tokens": True},
                          served)
-    assert done.stop_token_ids == (2,) and done.min_tokens == 0 and done.top_k == 0
+    assert done.stop_token_ids == (2,) and done.min_tokens == 0 and done.sampling.top_k == 0
     chat = parse_request("chat", {**CHAT, "max_completion_tokens": 3, **VLLM_DEFAULTS, **VLLM_CHAT_DEFAULTS}, served)
     assert chat.max_tokens == 3
     assert set(VLLM_DEFAULTS) | set(VLLM_CHAT_DEFAULTS) <= set(NEUTRAL) | {
