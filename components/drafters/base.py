@@ -15,6 +15,7 @@ through the target yet)::
     state = drafter.init_state(B)
     state = drafter.consume(state, tokens[:, :n-1], hidden[:, :n-1])  # context grows to n-1
     prop  = drafter.propose(state, last_token=x[:, n-1])              # drafts x_n .. x_{n+γ-1}
+                                                                      # (or fewer; none: a plain step)
     ... verify, then consume the newly verified positions (or rollback(state, accepted_len)
     after consuming speculative ones); with carryover, then
     state = drafter.with_carry(state, hidden_rejected, state.length)  # read by the next propose

@@ -117,10 +117,14 @@ class DraftState:
 @dataclass
 class Proposal:
     """One round's draft (verifier vocabulary: these are the draft tokens), in target terms
-    whatever the drafter's readout: with a draft vocabulary, -inf logits / 0 probs outside it."""
+    whatever the drafter's readout: with a draft vocabulary, -inf logits / 0 probs outside it.
 
-    tokens: Tensor  # [B, γ] long, draft tokens x_n .. x_{n+γ-1} (target ids)
-    logits: Tensor  # [B, γ, V] drafter logits each token was sampled from (before processing)
-    probs: Tensor  # [B, γ, V] q: the processed distribution each token was sampled from
-    confidences: Tensor | None = None  # [B, γ] σ(c_k): P(draft k accepted | prefix accepted)
-    states: Tensor | None = None  # [B, γ, H] the drafter's own state of each draft slot (DLoop)
+    G ≤ the γ asked for; G = 0 (tokens [B, 0], logits/probs [B, 0, V]) is a drafter saying it
+    has nothing to propose (prompt lookup without a match): the engines then take a plain step
+    for that request. Learned drafters always propose the γ asked for."""
+
+    tokens: Tensor  # [B, G] long, draft tokens x_n .. x_{n+G-1} (target ids)
+    logits: Tensor  # [B, G, V] drafter logits each token was sampled from (before processing)
+    probs: Tensor  # [B, G, V] q: the processed distribution each token was sampled from
+    confidences: Tensor | None = None  # [B, G] σ(c_k): P(draft k accepted | prefix accepted)
+    states: Tensor | None = None  # [B, G, H] the drafter's own state of each draft slot (DLoop)

@@ -8,14 +8,18 @@ gpt-fast style verbs, one step each::
                 position (their target hidden states exist);
     draft    -- drafter.propose after the last token (the drafter state is not changed); with
                 DLoop, further blocks on the drafter's own states behind the log-probability
-                gate (``draft_chain``);
+                gate (``draft_chain``); the drafter may propose fewer than asked, or nothing;
     verify   -- one target forward over [last_token, drafts] continuing the cache; the rule
-                decides the accepted tokens and the next (recovered or bonus) token;
+                decides the accepted tokens and the next (recovered or bonus) token. With no
+                drafts the round is a plain step: the forward is over [last_token] and the next
+                token is the rule's own target sample (``Rule.sample_target``), as a plain round
+                of the batch engine draws it;
     accept   -- crop the target cache to the committed length and feed the verified positions'
                 hidden states, already computed by ``verify``, to the drafter. Accepted tokens
                 are never recomputed;
     commit   -- carry the rejected drafts' states over (``carry_over``), append the emitted
-                tokens, count the round (``commit_round``; the batch engine calls it per row).
+                tokens, count the round (``commit_round``; the batch engine calls it per row):
+                a round of 0 drafts counts as a plain round (``GenerationResult.add_round``).
 
 ``chain_round`` is the four in a row for one request (the batch-1 engine's round); the batch
 engine calls ``draft_chain`` and ``commit_round`` per row around one verify pass of its own.
@@ -57,8 +61,9 @@ from components.spec.verify import VerifyResult
 
 
 def num_drafts_for(cap: int, remaining: int) -> int:
-    """What a drafting round drafts under ``cap``: at least one draft, none past the request's
-    last token (a round emits up to num_drafts + 1 tokens)."""
+    """What a drafting round asks the drafter for under ``cap``: at least one draft, none past
+    the request's last token (a round emits up to num_drafts + 1 tokens). The drafter may
+    propose fewer, or none (then the round is a plain step)."""
     return max(1, min(cap, remaining - 1))
 
 
@@ -91,20 +96,25 @@ def chain_round(target: Any, drafter: EngineDrafter, settings: EngineSettings, r
 
 def draft_chain(drafter: EngineDrafter, settings: EngineSettings, rule: Rule, seq: SequenceState, num_drafts: int,
                 rnd: RoundRandomness) -> tuple[Proposal, Tensor]:
-    """Proposal and the draft tokens [1, num_drafts] to verify (predicting positions n..).
+    """Proposal and the draft tokens [1, G] to verify (predicting positions n..), G ≤ num_drafts.
 
     With DLoop, the drafts may span several blocks of at most γ; later blocks run on a
     throw-away drafter state extended with the earlier blocks' own states, so
-    ``seq.draft_state`` never changes. Fewer than ``num_drafts`` when the gate closes."""
+    ``seq.draft_state`` never changes. Fewer than ``num_drafts`` when the gate closes or the
+    drafter proposes fewer than asked; a block of none ends the drafting (G = 0 when the
+    first block is empty: the round is a plain step)."""
     state, last, start = seq.draft_state, seq.last_token, seq.length
     props, drafts = [], []
     while True:
         g = min(settings.num_speculative_tokens, num_drafts - sum(d.shape[1] for d in drafts))
         prop = drafter.propose(state, last, rule.draft_sampling(rnd), rnd.generator, num_speculative_tokens=g)
-        picked = rule.pick_drafts(prop, positions(start, g, last.device), rnd)
+        got = prop.tokens.shape[1]  # ≤ g; 0: the drafter has nothing to propose
+        if got == 0 and props:
+            break
+        picked = rule.pick_drafts(prop, positions(start, got, last.device), rnd)
         props.append(prop)
         drafts.append(picked)
-        start += g
+        start += got
         if not _loop_again(settings, len(props), start - seq.length, num_drafts, prop, picked):
             break
         state = drafter.consume_own(state, prop.states)
@@ -114,8 +124,9 @@ def draft_chain(drafter: EngineDrafter, settings: EngineSettings, rule: Rule, se
 
 def _loop_again(settings: EngineSettings, stages: int, drafted: int, num_drafts: int, prop: Proposal,
                 picked: Tensor) -> bool:
-    """DLoop's gate: another stage if allowed, room is left, and Σ log q(drafts) ≥ gate."""
-    if stages >= settings.loop_stages or drafted >= num_drafts or prop.states is None:
+    """DLoop's gate: another stage if allowed, room is left, the stage drafted something, and
+    Σ log q(drafts) ≥ gate."""
+    if stages >= settings.loop_stages or drafted >= num_drafts or prop.states is None or picked.shape[1] == 0:
         return False
     log_q = torch.log_softmax(prop.logits.float(), dim=-1).gather(-1, picked.unsqueeze(-1))
     return float(log_q.sum()) >= settings.loop_gate
@@ -133,17 +144,25 @@ def _concat(props: list[Proposal]) -> Proposal:
 
 def verify_chain(target: Any, drafter: EngineDrafter, rule: Rule, seq: SequenceState, prop: Proposal, drafts: Tensor,
                  rnd: RoundRandomness) -> tuple[VerifyResult, Tensor | None, Any]:
-    """One target forward over [x_{n-1}, drafts] [1, G+1] → (result, hidden [1, G+1, n, H], cache)."""
+    """One target forward over [x_{n-1}, drafts] [1, G+1] → (result, hidden [1, G+1, n, H], cache).
+
+    G = 0: a plain step, the next token the rule's own target sample at position n (what
+    ``target_only_generate`` and the batch engine's plain rows draw; greedy: the argmax,
+    Gumbel: the same position-keyed noise), 0 drafts accepted."""
     ids = torch.cat([seq.last_token[:, None], drafts], dim=1)
     out = target.forward(ids, layer_ids=list(drafter.layer_ids), cache=seq.cache, use_cache=True)
-    result = rule.verify(drafts, out.logits, prop, positions(seq.length, ids.shape[1], ids.device), rnd)
-    return result, out.hidden, out.cache
+    where = positions(seq.length, ids.shape[1], ids.device)  # [1, G+1]
+    if drafts.shape[1] == 0:
+        token = rule.sample_target(out.logits[:, :1], where, rnd)[:, 0]  # [1]
+        return VerifyResult(torch.zeros_like(token), token, drafts.bool()), out.hidden, out.cache
+    return rule.verify(drafts, out.logits, prop, where, rnd), out.hidden, out.cache
 
 
 def accept_chain(drafter: EngineDrafter, settings: EngineSettings, seq: SequenceState, drafts: Tensor,
                  result: VerifyResult, hidden: Tensor | None, cache: Any, res: GenerationResult) -> SequenceState:
     """drafts [1, G], hidden [1, G+1, n, H]: commits x_{n-1} + the accepted drafts (crops the
-    cache, feeds their hidden states to the drafter, ``commit_round``)."""
+    cache, feeds their hidden states to the drafter, ``commit_round``); G = 0: x_{n-1} alone,
+    a plain round."""
     a = int(result.num_accepted[0])
     crop_cache(cache, seq.length + a)  # positions now in the cache: x_0 .. x_{n-1+a}
     tokens = torch.cat([seq.last_token[:, None], drafts[:, :a]], dim=1)  # [1, a+1]
@@ -169,10 +188,12 @@ def carry_over(drafter: EngineDrafter, settings: EngineSettings, state: Any, hid
 def commit_round(drafter: EngineDrafter, settings: EngineSettings, seq: SequenceState, state: Any,
                  drafts: Tensor | None, accepted: int, next_token: Tensor, hidden: Tensor | None,
                  res: GenerationResult, cache: Any = None) -> tuple[SequenceState, list[int]]:
-    """The sequence after a round that accepted ``accepted`` of ``drafts`` [1, G] (None: a plain
-    round) and chose ``next_token`` [1]; ``state``: the drafter state after consuming them
-    (None: plain decoding). Attaches carryover rows, counts the round in ``res``; returns the
-    new sequence and the tokens emitted."""
+    """The sequence after a round that accepted ``accepted`` of ``drafts`` [1, G] (None or G = 0:
+    a plain round, which carries nothing over) and chose ``next_token`` [1]; ``state``: the
+    drafter state after consuming them (None: plain decoding). Attaches carryover rows, counts
+    the round in ``res``; returns the new sequence and the tokens emitted."""
+    if drafts is not None and drafts.shape[1] == 0:
+        drafts = None
     num_drafts = 0 if drafts is None else drafts.shape[1]
     carried = 0
     if state is not None:

@@ -38,6 +38,11 @@ class EngineDrafter(Protocol):
     def capabilities(self) -> frozenset[Capability]: ...
     def identity(self) -> str: ...  # what stored measurements (round profiles) of it are keyed by
 
+    # ``propose`` returns at most the ``num_speculative_tokens`` asked for: G ≤ γ tokens, and
+    # G = 0 (tokens [1, 0], logits/probs [1, 0, V]) says "nothing to propose" (prompt lookup
+    # without a match). Every engine handles it with no flag: a round of 0 drafts is a plain
+    # step (one target forward over the last token, the rule's own target sample), counted as
+    # a plain round. Learned drafters always propose what was asked.
     # Declared, not probed (``components.drafters.capabilities``): ``OWN_CONTEXT`` (``consume_own``)
     # for loop_stages > 1 and ``CARRYOVER`` (``with_carry``) for carryover=True are required when
     # the settings are resolved (``settings.py``); ``BATCHED_PROPOSE``/``BATCHED_CONSUME`` are the
@@ -46,12 +51,17 @@ class EngineDrafter(Protocol):
 
 @dataclass
 class GenerationResult:
-    """One request's output and what it cost."""
+    """One request's output and what it cost.
+
+    Rounds are drafting rounds (≥ 1 draft verified) or plain rounds (one token: plain decoding,
+    a cap of 0, or a drafter that proposed nothing). ``tau`` is over drafting rounds only (as
+    vLLM's mean acceptance length); ``tokens_per_round`` over every round, and
+    ``drafting_share`` says which share of the rounds drafted."""
 
     tokens: list[int]  # the new tokens (prompt excluded): max_new_tokens of them unless stopped early
-    rounds: int = 0  # draft-verify rounds (target-only: decoding steps)
+    rounds: int = 0  # every round after the prefill, drafting or plain (target-only: decoding steps)
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per drafting round
-    drafted: list[int] = field(default_factory=list)  # draft tokens verified per drafting round (num_drafts)
+    drafted: list[int] = field(default_factory=list)  # draft tokens verified per drafting round (num_drafts ≥ 1)
     carried: list[int] = field(default_factory=list)  # carryover rows the round's first block read
     target_forwards: int = 0  # target forward passes, prefill included
     prefill_seconds: float = 0.0
@@ -62,7 +72,8 @@ class GenerationResult:
 
     def add_round(self, accepted: int | None = None, num_drafts: int = 0, carried: int = 0) -> None:
         """Counts one round (one target forward); a drafting round (``accepted`` given) also
-        its acceptance, the drafts it verified and the carryover rows it read."""
+        its acceptance, the drafts it verified and the carryover rows it read; ``accepted``
+        None is a plain round (one token emitted)."""
         self.rounds += 1
         self.target_forwards += 1
         if accepted is None:
@@ -73,8 +84,18 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
-        """Acceptance length τ: mean tokens emitted per round (accepted + 1)."""
+        """Acceptance length τ: mean tokens emitted per drafting round (accepted + 1)."""
         return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+
+    @property
+    def tokens_per_round(self) -> float:
+        """τ over every round, plain ones (1 token each) included."""
+        return (sum(self.accepted) + self.rounds) / max(1, self.rounds)
+
+    @property
+    def drafting_share(self) -> float:
+        """The share of rounds that drafted (0.0 without rounds)."""
+        return len(self.accepted) / self.rounds if self.rounds else 0.0
 
 
 @dataclass

@@ -7,7 +7,9 @@
   always right under greedy, a close-but-different q under sampling; for tests;
 * ``PromptLookupDrafter`` -- n-gram prompt lookup: finds the latest earlier occurrence of the
   trailing n-gram in the context and proposes the tokens that followed it (continued by
-  looking up again when they run out, so loops are followed past one period).
+  looking up again when they run out, so loops are followed past one period), at most γ; and
+  nothing without a match (the engines then take a plain step, as vLLM's n-gram proposer
+  does, instead of verifying guesses).
 
 All three keep the committed token ids (the hidden states they are given are ignored, so they
 ask for no target taps: ``layer_ids = []``) and return one-hot or processed distributions as q.
@@ -37,9 +39,9 @@ class TokenState:
 
 
 def one_hot_proposal(tokens: list[int], vocab_size: int, device: torch.device) -> Proposal:
-    """A proposal [1, γ] whose q is one-hot at each token (logits 0 / -inf)."""
-    ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, γ]
-    probs = torch.nn.functional.one_hot(ids, vocab_size).float()  # [1, γ, V]
+    """A proposal [1, G] whose q is one-hot at each token (logits 0 / -inf); G = 0: nothing."""
+    ids = torch.tensor([tokens], dtype=torch.long, device=device).view(1, len(tokens))  # [1, G]
+    probs = torch.nn.functional.one_hot(ids, vocab_size).float()  # [1, G, V]
     logits = torch.log(probs)  # 0 at the token, -inf elsewhere
     return Proposal(ids, logits, probs, None)
 
@@ -90,7 +92,8 @@ class OracleDrafter(TokenDrafter):
 
 
 class PromptLookupDrafter(TokenDrafter):
-    """n-gram lookup over the context (longest n first, ``max_ngram`` down to 1)."""
+    """n-gram lookup over the context (longest n first, ``max_ngram`` down to 1): proposes what
+    followed the match, at most γ tokens, and an empty proposal (tokens [1, 0]) without one."""
 
     def __init__(self, vocab_size: int, num_speculative_tokens: int, max_ngram: int = 3, device: torch.device | str = "cpu"):
         super().__init__(vocab_size, num_speculative_tokens, device)
@@ -100,9 +103,7 @@ class PromptLookupDrafter(TokenDrafter):
                 generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
         gamma = num_speculative_tokens or self.num_speculative_tokens
         context = state.tokens + [int(last_token[0])]
-        follow = lookup(context, self.max_ngram, gamma)
-        tokens = (follow + [context[-1]] * gamma)[:gamma]  # no match at all: repeat the last token
-        return one_hot_proposal(tokens, self.vocab_size, self.device)
+        return one_hot_proposal(lookup(context, self.max_ngram, gamma), self.vocab_size, self.device)
 
 
 def lookup(context: list[int], max_ngram: int, count: int | None = None) -> list[int]:

@@ -10,7 +10,8 @@ What this module leaves to others:
 * batch size 1 (``batch.BatchEngine`` runs the same steps over many requests, with stop tokens,
   cancellation and an adaptive draft cap);
 * chains (``tree.TreeEngine`` drafts token trees); γ is fixed here, shortened only so as not to
-  overshoot ``max_new_tokens``;
+  overshoot ``max_new_tokens`` (the drafter may propose fewer; a round it proposes nothing
+  in is a plain step, ``chain.verify_chain``);
 * no stop tokens: generation runs for exactly ``max_new_tokens`` tokens.
 
 Knows nothing about tokenization (token id lists in and out), drafter families (only the

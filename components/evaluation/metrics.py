@@ -7,7 +7,9 @@ tokens (the kept drafts plus the target's recovered or bonus token).
 * τ (acceptance length) = mean tokens emitted per round = (Σ accepted + rounds) / rounds; 1 for
   methods that do not draft. Our engine emits its first token from the prefill (drafters need
   the prompt's hidden states before they can draft), transformers' assisted generation drafts
-  from the prompt and verifies in the prefill pass; both count only drafting rounds.
+  from the prompt and verifies in the prefill pass; both count only drafting rounds. A round
+  whose drafter proposed nothing (prompt lookup without a match) is a plain step and not a
+  drafting round, as vLLM counts; ``target_forwards`` counts every pass.
 * acceptance at position k = (rounds that accepted ≥ k drafts) / (rounds that reached draft k,
   i.e. drafted ≥ k and accepted ≥ k − 1): the conditional acceptance rate of the k-th draft.
 * tokens/s = Σ new tokens / Σ wall seconds over the prompts; speedup = a method's tokens/s ÷
@@ -32,12 +34,13 @@ class PromptRun:
     prompt_id: str
     tokens: list[int]  # the new tokens (prompt excluded)
     seconds: float  # wall time of the whole generation, prefill included
-    accepted: list[int] = field(default_factory=list)  # accepted drafts per round ([] if no drafting)
-    drafted: list[int] = field(default_factory=list)  # drafts proposed per round
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per drafting round ([] if no drafting)
+    drafted: list[int] = field(default_factory=list)  # drafts proposed per drafting round
     target_forwards: int = 0  # target passes, prefill included (0: not counted)
 
     @property
     def rounds(self) -> int:
+        """Drafting rounds."""
         return len(self.accepted)
 
 
@@ -63,8 +66,8 @@ class MethodSummary:
     seconds: float
     tokens_per_s: float
     tau: float
-    rounds: int
-    mean_drafted: float  # drafts proposed per round (γ, or transformers' adaptive length)
+    rounds: int  # drafting rounds
+    mean_drafted: float  # drafts proposed per drafting round (γ, or transformers' adaptive length)
     acceptance_by_position: list[float]  # k = 1.. (empty if the method does not draft)
     reached_by_position: list[int]  # rounds that reached draft k (the denominators)
     target_forwards: int
@@ -77,7 +80,7 @@ class MethodSummary:
 
 
 def tau(accepted: list[int]) -> float:
-    """Mean tokens per round, (Σ accepted + rounds) / rounds; 1.0 without rounds."""
+    """Mean tokens per drafting round, (Σ accepted + rounds) / rounds; 1.0 without rounds."""
     return (sum(accepted) + len(accepted)) / len(accepted) if accepted else 1.0
 
 

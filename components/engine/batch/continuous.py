@@ -8,7 +8,8 @@ One ``step()`` is one round for the whole running batch::
                 each prefill's first token is emitted at once (``admit.Admission``);
     draft    -- per running request, the drafter proposes num_drafts_b ≤ cap tokens on that
                 request's own drafter state (DLoop stages as in ``chain.draft_chain``);
-                0 for plain-decoding requests (``draft.Drafting``);
+                0 for plain-decoding requests and for those whose drafter proposed nothing
+                (``draft.Drafting``): they take part with their one token, a plain round;
     verify   -- ONE target forward over [B, G+1] (row b: x_{n_b-1}, its drafts, padding),
                 each row at its own positions over its own valid cache slots (``RaggedCache``);
                 then each request's rule decides its accepted prefix and next token;

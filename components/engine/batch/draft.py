@@ -14,7 +14,10 @@ drafters without it, draft one by one (``chain.draft_chain``, by the row's own r
 ``Capability.BATCHED_CONSUME`` turns the per-row ``consume`` calls into one ``consume_many``
 (``consume_rows``). Either way the output is the same.
 
-A speculating row's plain round (cap 0) only records its token and hidden state (``pending``);
+A row whose drafter proposes nothing this round (an empty ``Proposal``: prompt lookup without
+a match, batched or not) is a plain row of the round: one token in the verify pass, the
+rule's own target sample, a plain round in its record. A speculating row's plain round (cap 0,
+or nothing proposed) only records its token and hidden state (``pending``);
 the drafter consumes them when the row drafts again (``flush``), so cap-0 rounds cost what
 plain decoding costs. Knows the drafter's engine protocol, the chain's drafting step and the
 draft-length policy; nothing about verification or the target cache.
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from components.drafters.base import Proposal
 from components.drafters.capabilities import Capability, has
 from components.engine.adaptive.policy import DraftLengthPolicy
 from components.engine.adaptive.rows import round_cap
@@ -78,8 +82,8 @@ class Drafting:
                 together.append((row, num_drafts))
                 continue
             t0 = time.perf_counter()
-            row.proposal, row.drafts = draft_chain(self.drafter, self.settings, row.rule, row.seq, num_drafts, row.rnd)
-            sync_device(row.drafts.device)
+            _keep(row, *draft_chain(self.drafter, self.settings, row.rule, row.seq, num_drafts, row.rnd))
+            sync_device(row.seq.last_token.device)
             row.result.draft_seconds += time.perf_counter() - t0
             spent += time.perf_counter() - t0
         spent += self._draft_together(together)
@@ -97,9 +101,10 @@ class Drafting:
         samplings = [row.rule.draft_sampling(row.rnd) for row, _ in rows]
         props = self.drafter.propose_many([row.seq.draft_state for row, _ in rows], last, samplings,
                                           [g for _, g in rows], generators=[row.rnd.generator for row, _ in rows])
-        for (row, g), prop in zip(rows, props):  # each proposal already cut to its row's length
+        for (row, _), prop in zip(rows, props):  # each cut to at most its row's length
+            g = prop.tokens.shape[1]  # 0: nothing proposed for this row
             positions = torch.arange(row.seq.length, row.seq.length + g, device=last.device)[None, :]
-            row.proposal, row.drafts = prop, row.rule.pick_drafts(prop, positions, row.rnd)
+            _keep(row, prop, row.rule.pick_drafts(prop, positions, row.rnd))
         sync_device(last.device)
         seconds = time.perf_counter() - t0
         for row, _ in rows:
@@ -158,3 +163,8 @@ class Drafting:
         for b, new in zip(idx, news):
             states[b] = new
         return states
+
+
+def _keep(row: Row, proposal: Proposal, drafts: Tensor) -> None:
+    """This round's proposal and drafts [1, G] for ``row``; G = 0 makes it a plain row."""
+    row.proposal, row.drafts = (proposal, drafts) if drafts.shape[1] > 0 else (None, None)

@@ -1,9 +1,11 @@
 """Aggregate counters of a running batch engine, for dashboards and benchmarks.
 
 Per-request figures live in ``GenerationResult``; these are engine-wide, summed over rounds:
-tokens emitted, rounds, mean batch size, τ and acceptance by draft position, draft / verify /
-busy seconds and tokens per busy second. ``summary()`` gives plain numbers (a serving layer
-exports them as metrics). Knows nothing about models or requests' contents.
+tokens emitted, rounds, mean batch size, τ (over the rows' drafting rounds, as vLLM counts) and
+the share of row-rounds that drafted (a row of a cap of 0, plain decoding or an empty proposal
+steps plainly), acceptance by draft position, draft / verify / busy seconds and tokens per busy
+second. ``summary()`` gives plain numbers (a serving layer exports them as metrics). Knows
+nothing about models or requests' contents.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ class EngineStats:
     row_rounds: int = 0  # Σ over rounds of the rows in the batch (mean batch = row_rounds / rounds)
     tokens: int = 0  # tokens emitted, prefill tokens included
     finished: int = 0  # requests finished (any reason)
-    drafting_rounds: int = 0  # (row, round) pairs that drafted
+    drafting_rounds: int = 0  # (row, round) pairs that drafted (≥ 1 draft verified)
     drafted: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # per draft position k: times accepted
@@ -53,6 +55,7 @@ class EngineStats:
             "rounds": self.rounds, "tokens": self.tokens, "finished": self.finished,
             "mean_batch": self.row_rounds / max(1, self.rounds),
             "tau": 1 + self.accepted / self.drafting_rounds if self.drafting_rounds else 1.0,
+            "drafting_share": self.drafting_rounds / self.row_rounds if self.row_rounds else 0.0,
             "alpha_by_position": [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached_at)],
             "tokens_per_second": self.tokens / busy,
             "draft_share": self.draft_seconds / busy, "verify_share": self.verify_seconds / busy,
