@@ -7,7 +7,8 @@ fixture target's float-sensitive training happened to produce on this CPU.
 * ``ScriptedDrafter`` -- drafts the known continuation of a request (right), or that plus one
   (wrong), with fixed confidences, whatever the target's weights;
 * ``SecondGuessDrafter`` -- every slot's favourite is wrong and its runner-up right, so a chain
-  or a one-node tree accepts nothing and a full binary tree accepts its whole depth.
+  or a one-node tree accepts nothing and a full binary tree accepts its whole depth;
+* ``counting_forwards`` -- the real target, each forward's input width recorded.
 """
 
 from __future__ import annotations
@@ -113,3 +114,16 @@ class SecondGuessDrafter(ScriptedDrafter):
         probs.scatter_(2, right[..., None], 0.4)
         probs = probs / probs.sum(-1, keepdim=True)  # [1, γ, V]
         return Proposal((right + 1) % self.vocab_size, probs.log(), probs, None)
+
+
+def counting_forwards(monkeypatch: Any, target: Any) -> list[int]:
+    """The input width of every forward of ``target`` from now on (the forward itself unchanged)."""
+    widths: list[int] = []
+    forward = target.forward
+
+    def counted(input_ids: Tensor, *args: Any, **kwargs: Any) -> Any:
+        widths.append(input_ids.shape[1])
+        return forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", counted)
+    return widths

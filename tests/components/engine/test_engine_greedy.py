@@ -18,6 +18,7 @@ from components.engine import (
     chain,
     target_only_generate,
 )
+from tests.components.engine.doubles import counting_forwards
 
 MAX_NEW = 24
 
@@ -80,14 +81,7 @@ def test_cache_cropped_to_committed_length_no_recompute(tiny_target, references,
     prompt, ref = prompts(tiny_target)[0], references[0]
     wrong = [(t + 1) % tiny_target.vocab_size if i % 3 == 2 else t for i, t in enumerate(ref)]
     engine = SpeculativeEngine(tiny_target, OracleDrafter(prompt + wrong, tiny_target.vocab_size, 4))
-    calls: list[int] = []
-    forward = tiny_target.forward
-
-    def counting(input_ids, *args, **kwargs):
-        calls.append(input_ids.shape[1])
-        return forward(input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(tiny_target, "forward", counting)
+    calls = counting_forwards(monkeypatch, tiny_target)
     lengths: list[tuple[int, int]] = []
     accept = chain.accept_chain
 

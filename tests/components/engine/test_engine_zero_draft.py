@@ -22,7 +22,7 @@ from components.engine.rules import get_rule
 from components.engine.settings import EngineSettings
 from components.spec.sampling import SamplingParams
 from tests.components.engine.batch.test_continuous import batch_prompts, requests
-from tests.components.engine.doubles import MarkovTarget
+from tests.components.engine.doubles import MarkovTarget, counting_forwards
 
 SAMPLED = SamplingParams(temperature=0.9)
 
@@ -34,19 +34,6 @@ def successor_target(target) -> MarkovTarget:
     table = torch.full((vocab, vocab), -12.0)
     table[torch.arange(vocab), (torch.arange(vocab) + 1) % vocab] = 0.0
     return MarkovTarget(target, table)
-
-
-def counting_forwards(monkeypatch, target) -> list[int]:
-    """The input width of every target forward from now on."""
-    widths: list[int] = []
-    forward = target.forward
-
-    def counted(input_ids, *args, **kwargs):
-        widths.append(input_ids.shape[1])
-        return forward(input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(target, "forward", counted)
-    return widths
 
 
 class BatchedLookup(PromptLookupDrafter):
