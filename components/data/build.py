@@ -68,7 +68,7 @@ def _write_missing(cfg: SpeclineConfig, desc: TargetDescription, meta: RecordMet
     import ray.data
 
     rows = shard_rows(todo)
-    tally = start_tally(sum(len(s.prompts) for s in todo))
+    tally = start_tally(sum(len(s.prompts) for s in todo)) if lines is not None else None  # nobody reads it otherwise
     ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
         ShardWriter, batch_size=1, batch_format="numpy",
         fn_constructor_kwargs={**config_kwargs(desc.target_cfg, cfg.data, meta), "out_dir": str(out_dir),
@@ -78,7 +78,7 @@ def _write_missing(cfg: SpeclineConfig, desc: TargetDescription, meta: RecordMet
     tokens = 0
     stop = threading.Event()
     watcher = threading.Thread(target=_watch, args=(tally, lines, stop), daemon=True, name="data-progress")
-    if lines is not None:
+    if tally is not None:
         watcher.start()
     try:
         for row in ds.iter_rows():
@@ -95,9 +95,9 @@ def _write_missing(cfg: SpeclineConfig, desc: TargetDescription, meta: RecordMet
                           "tokens_done": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9)})
     finally:
         stop.set()
-        if watcher.is_alive():
+        if tally is not None:
             watcher.join()
-        ray.kill(tally)
+            ray.kill(tally)
     out["seconds"] = time.perf_counter() - t0
     return out
 

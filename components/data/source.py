@@ -69,8 +69,6 @@ def record_meta(cfg: SpeclineConfig, desc: TargetDescription) -> RecordMeta:
     return RecordMeta.of(desc.info, resolve_layer_ids(cfg.drafter, desc.info.num_layers), cfg.data.storage)
 
 
-
-
 def generation_params(cfg: DataConfig) -> dict[str, Any]:
     return {"backend": cfg.backend, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
             "top_p": cfg.top_p, "seed": cfg.seed, "batch_size": cfg.batch_size}

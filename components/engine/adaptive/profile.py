@@ -52,8 +52,6 @@ from components.engine.settings import EngineSettings, resolve_settings
 from components.spec.cost import ProfileTable
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
-
-
 DEFAULT_PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
