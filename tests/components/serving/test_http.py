@@ -230,8 +230,10 @@ def test_overload_is_refused_within_a_second(port, tiny_target, connections):
     """A burst far past the replica's capacity (20): the excess is refused at once (503 with
     Retry-After: by the replica's admission with an OpenAI body, or past its Serve slots by Serve's
     router), at 500 connections as at 60: within a second, or on a loaded box (where the proxy and
-    the replica's event loop are slow) within a quarter of the quickest served request's time;
-    the few that Serve's router held in its queue (at most as many as it holds) within twice that."""
+    the replica's event loop are slow) within half the quickest served request's time, so well
+    before a request queued for a slot could have been answered; the few that Serve's router held
+    in its queue (at most as many as it holds) within twice that. Timings on a shared 2-core box
+    swing: the bound is relative to the served requests measured in the same burst."""
     body = {"prompt": prompt_ids(tiny_target, 1)[0], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
     results = burst(port, "/v1/completions", body, KEY, connections)
     refused = sorted(r[1] for r in results if r[0] != 200)
@@ -246,7 +248,7 @@ def test_overload_is_refused_within_a_second(port, tiny_target, connections):
     print(f"{connections} at once: {len(done)} served (quickest {quickest:.1f} s), {len(refused)} refused in "
           f"p50 {p50:.2f} s, p90 {p90:.2f} s, max {refused[-1]:.2f} s ({sum(t > 1 for t in refused)} over 1 s; "
           f"{len(by_replica)} by the replica, {len(refused) - len(by_replica)} by Serve's router)")
-    limit = max(1.0, 0.25 * quickest)
+    limit = max(1.0, 0.5 * quickest)
     assert p50 < limit  # the bulk at once, by the replica or Serve's router
     # the tail: at most the router's queue (its spare slots: 20 here) waited there for a slot
     assert sum(t > 2 * limit for t in refused) <= 20
