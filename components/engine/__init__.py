@@ -12,6 +12,8 @@
 * ``rules``      -- greedy / Gumbel / speculative / block rules as the engines apply them, each
   declaring where it may verify (``components.ruleset`` holds the same table for the config);
 * ``model_free`` -- oracle, target-as-drafter and prompt-lookup drafters behind the same protocol;
+* ``suffix``     -- suffix decoding (SuffixDecoding): a model-free drafter over suffix trees of the
+  request and of earlier responses (``SuffixDrafter.observe``);
 * ``adaptive/``  -- the draft cap per round: fixed, or adaptive (DSpark-style, load-aware) over a
   round profile; the set-up the serve and eval stages share (``adaptive_engine``);
 * ``cache/``     -- the target's KV caches: preallocated layers (``slab``), a batch's ragged cache
@@ -48,6 +50,7 @@ from components.engine.settings import (
     resolve_settings,
 )
 from components.engine.single import SpeculativeEngine, target_only_generate
+from components.engine.suffix import SuffixDrafter
 from components.engine.tree import TreeEngine
 
 __all__ = [
@@ -69,6 +72,7 @@ __all__ = [
     "SpeculativeEngine",
     "StepOutput",
     "StoredProfile",
+    "SuffixDrafter",
     "TargetDrafter",
     "TreeEngine",
     "adaptive_engine",

@@ -1,0 +1,403 @@
+"""Suffix decoding (SuffixDecoding, Oliaro et al., arXiv 2411.04975; vLLM's ``suffix`` method):
+a model-free drafter that copies what followed the current context's longest suffix before.
+
+* ``SuffixTree``    -- exact occurrence counts of every token string of length ≤ ``max_depth``
+  in a set of token sequences (a depth-limited suffix trie), grown a token at a time, sequences
+  removable, each count always equal to a brute-force count over the sequences it holds;
+* ``ResponseCache`` -- the global tree: finished responses, at most ``max_responses`` of them and
+  ``max_tokens`` tokens in all, the oldest removed first (counts stay exact), keyed so that a
+  request run again replaces its own earlier response;
+* ``SuffixDrafter`` -- the engine's drafter (batch 1): a per-request tree over the request's
+  committed ids (prompt + output so far) beside the drafter's global tree.
+
+Speculation, per tree: the longest suffix of the context (at most ``max_depth - γ`` tokens, so a
+whole draft fits in the tree) that occurred before with a next token is matched; from it the
+draft follows the most frequent next token (ties: the smaller id), each token's estimated
+probability the running product of count(next) / count(all next tokens seen there), while it
+stays ≥ ``min_token_prob`` and the draft is shorter than ``min(γ, max_spec_factor · match)``.
+A candidate's score is the sum of its tokens' probabilities; the global tree's candidate is taken
+only when it scores higher than the request's. No match, or a best score below ``min_score``:
+nothing is proposed (an empty ``Proposal``, tokens [1, 0]) and the engines take a plain step.
+
+Where this differs from Arctic Inference's implementation (which vLLM calls): the longest match
+only, not the best-scoring of every match length; probabilities over the occurrences that have
+a next token (the context's own trailing occurrence is no evidence); responses enter the global
+tree when finished (``observe``), not token by token while they are generated; chains only --
+the paper's speculation *trees* are out of scope (``tree.TreeEngine`` verifies trees, but this
+drafter returns one chain).
+
+The trie is stored lazily so that memory and time follow the repeats, not ``max_depth``: a node
+seen once stores no children, only where its one occurrence continues (``_Node.seq/pos``); it
+grows children when a second occurrence arrives. Appending a token touches one node per
+repeated suffix of the sequence, and matching walks at most the match length (galloping). In
+CPython the global tree costs about 0.2 KB per kept token on varied text and up to ~1 KB on
+text that repeats itself, hence the token bound (``max_cached_tokens``) beside vLLM's count of
+responses. At most one sequence of a tree grows at a time here (a request's; a response is
+added whole), though the tree stays exact if several do.
+
+Proposals are one-hot q (``model_free.one_hot_proposal``), so sampled rules stay lossless. Asks
+for no target taps (``layer_ids = ()``) and declares no capabilities (no batched passes, DLoop,
+carryover or tree head). Knows nothing about verification, caches or tokenization; who runs
+requests calls ``observe`` with each finished response (the eval stage's ``suffix`` method does;
+a serving replica could do the same as requests finish). Not thread-safe: observe from the
+thread that drafts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from components.drafters.base import Proposal
+from components.drafters.capabilities import Capability
+from components.engine.model_free import one_hot_proposal
+from components.spec.sampling import SamplingParams
+
+REQUEST = 0  # the per-request tree's one sequence id
+
+
+class _Node:
+    """The string spelled by the path to it: how many times it occurs (``count``), and either its
+    children (token → node) or, while it occurs once, where that occurrence goes on
+    (``seqs[seq][pos:]``, up to the tree's depth) with ``children`` None."""
+
+    __slots__ = ("children", "count", "pos", "seq")
+
+    def __init__(self, count: int, children: dict[int, _Node] | None, seq: int = -1, pos: int = 0):
+        self.count, self.children, self.seq, self.pos = count, children, seq, pos
+
+
+@dataclass
+class _Place:
+    """A string's place in the trie: the deepest stored node on its path and how many tokens
+    further it reads along that node's one occurrence (``extra`` > 0 only below a lone node)."""
+
+    node: _Node
+    depth: int  # the string's length
+    extra: int = 0
+
+
+class SuffixTree:
+    """Occurrence counts of every string of ≤ ``max_depth`` tokens in ``seqs`` (exact)."""
+
+    def __init__(self, max_depth: int):
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be at least 1, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = _Node(0, {})  # count: tokens held (every token starts one suffix)
+        self.seqs: dict[int, list[int]] = {}
+        self._open: dict[int, list[tuple[_Node, int]]] = {}  # seq → (node, depth) of its repeated suffixes
+
+    # ------------------------------------------------------------------ growing and shrinking
+    def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """Appends ``tokens`` to sequence ``seq_id`` (a new one if unknown; not a closed one)."""
+        if seq_id in self.seqs and seq_id not in self._open:
+            raise ValueError(f"sequence {seq_id} is closed")
+        seq = self.seqs.setdefault(seq_id, [])
+        open_ = self._open.setdefault(seq_id, [])
+        for token in tokens:
+            seq.append(int(token))
+            open_ = self._append(seq_id, seq, open_, int(token))
+        self._open[seq_id] = open_
+
+    def close(self, seq_id: int) -> None:
+        """Sequence ``seq_id`` will not grow again (its bookkeeping for appends is dropped)."""
+        self._open.pop(seq_id, None)
+
+    def _append(self, seq_id: int, seq: list[int], open_: list[tuple[_Node, int]],
+                token: int) -> list[tuple[_Node, int]]:
+        """One more occurrence of every suffix that now ends in ``token`` (seq[-1]); returns the
+        (node, depth) of those that occurred before, deepest last, the only ones to touch next."""
+        self.root.count += 1
+        grown: list[tuple[_Node, int]] = []
+        for node, depth in [(self.root, 0)] + open_:  # suffixes that occurred before, shortest first
+            child = node.children.get(token)  # type: ignore[union-attr]  # open nodes have children
+            if child is None:  # a first occurrence: stored lone, read on from the sequence
+                node.children[token] = _Node(1, None, seq_id, len(seq))  # type: ignore[index]
+                continue
+            if child.children is None:  # the second occurrence of a lone string: give it children
+                self._split(child, depth + 1)
+            child.count += 1
+            if depth + 1 < self.max_depth:
+                grown.append((child, depth + 1))
+        return grown
+
+    def _split(self, node: _Node, depth: int) -> None:
+        """A lone node (one occurrence) gets its one child explicitly, if that occurrence goes on;
+        if it ends where its sequence is still growing, that sequence's next appends extend it."""
+        seq = self.seqs[node.seq]
+        node.children = {}
+        if depth < self.max_depth and node.pos < len(seq):
+            node.children[seq[node.pos]] = _Node(1, None, node.seq, node.pos + 1)
+        elif depth < self.max_depth and node.seq in self._open:
+            self._open[node.seq].append((node, depth))
+        node.seq = -1
+
+    def remove(self, seq_id: int) -> None:
+        """Drops sequence ``seq_id``: every string's count loses its occurrences there."""
+        seq = self.seqs.pop(seq_id)
+        self._open.pop(seq_id, None)
+        for start in range(len(seq)):
+            node = self.root
+            node.count -= 1
+            for token in seq[start:start + self.max_depth]:
+                child = node.children[token]  # type: ignore[index]  # a count ≥ 2 node has children
+                if child.count == 1:  # only this occurrence: the whole branch below is its own
+                    del node.children[token]  # type: ignore[union-attr]
+                    break
+                child.count -= 1
+                node = child
+
+    # ------------------------------------------------------------------ reading
+    def find(self, string: Sequence[int]) -> _Place | None:
+        """Where ``string`` (≤ max_depth tokens) is in the trie; None if it never occurred."""
+        node, extra = self.root, 0
+        for token in string:
+            if node.children is not None:
+                child = node.children.get(token)
+                if child is None:
+                    return None
+                node = child
+                continue
+            seq, at = self.seqs[node.seq], node.pos + extra
+            if at >= len(seq) or seq[at] != token:
+                return None
+            extra += 1
+        return _Place(node, len(string), extra)
+
+    def count(self, string: Sequence[int]) -> int:
+        """Occurrences of ``string`` (1 ≤ length ≤ max_depth) in the sequences held."""
+        place = self.find(string)
+        return 0 if place is None else place.node.count
+
+    def next_counts(self, place: _Place) -> dict[int, int]:
+        """Next token → how many of the string's occurrences it follows (none at max_depth)."""
+        node = place.node
+        if place.depth >= self.max_depth:
+            return {}
+        if node.children is not None:
+            return {token: child.count for token, child in node.children.items()}
+        seq, at = self.seqs[node.seq], node.pos + place.extra
+        return {seq[at]: 1} if at < len(seq) else {}
+
+    def longest_match(self, pattern: Sequence[int], max_len: int) -> _Place | None:
+        """The longest suffix of ``pattern`` (≤ ``max_len`` tokens) that occurred with a next
+        token, found by galloping over the length (having one is monotone: a suffix of a string
+        that went on went on too); None when not even its last token did."""
+        def place(m: int) -> _Place | None:
+            found = self.find(pattern[len(pattern) - m:])
+            return found if found is not None and self.next_counts(found) else None
+
+        top = min(max_len, len(pattern), self.max_depth - 1)
+        best, good, bad = None, 0, top + 1  # longest length known to match, shortest known to fail
+        m = 1
+        while good < top:  # gallop: 1, 2, 4, ..., top until a length fails
+            found = place(m)
+            if found is None:
+                bad = m
+                break
+            best, good, m = found, m, min(2 * m, top)
+        while bad - good > 1:  # bisect between them
+            mid = (good + bad) // 2
+            found = place(mid)
+            best, good, bad = (found, mid, bad) if found is not None else (best, good, mid)
+        return best
+
+    def draft(self, place: _Place, max_tokens: int, min_prob: float) -> tuple[list[int], list[float]]:
+        """(tokens, their estimated probabilities): from ``place``, the most frequent next token
+        (ties: the smaller id) while the running product of count / total stays ≥ ``min_prob``,
+        at most ``max_tokens`` and not past ``max_depth``."""
+        tokens: list[int] = []
+        probs: list[float] = []
+        node, depth, extra, prob = place.node, place.depth, place.extra, 1.0
+        while len(tokens) < max_tokens and depth < self.max_depth:
+            if node.children is None:  # one occurrence: its continuation, probability unchanged
+                seq, at = self.seqs[node.seq], node.pos + extra
+                run = seq[at:at + min(max_tokens - len(tokens), self.max_depth - depth)]
+                tokens += run
+                probs += [prob] * len(run)
+                break
+            best, best_count, total = -1, 0, 0
+            for token, child in node.children.items():
+                total += child.count
+                if child.count > best_count or (child.count == best_count and token < best):
+                    best, best_count = token, child.count
+            if total == 0:
+                break
+            prob *= best_count / total
+            if prob < min_prob:
+                break
+            tokens.append(best)
+            probs.append(prob)
+            node, depth, extra = node.children[best], depth + 1, 0
+        return tokens, probs
+
+
+@dataclass
+class Candidate:
+    """One tree's draft for a context: tokens, their estimated probabilities, the match length."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    match_len: int = 0
+
+    @property
+    def score(self) -> float:
+        """The expected number of accepted tokens, were the estimates right: Σ probabilities."""
+        return sum(self.probs)
+
+
+def speculate(tree: SuffixTree, context: Sequence[int], max_match: int, gamma: int, max_spec_factor: float,
+              min_prob: float) -> Candidate:
+    """``tree``'s candidate for ``context``: the longest match (≤ ``max_match``), then at most
+    min(γ, ⌊factor · match⌋) tokens of greedy continuation (an empty candidate without a match)."""
+    place = tree.longest_match(context, max_match)
+    if place is None:
+        return Candidate()
+    limit = min(gamma, int(max_spec_factor * place.depth + 1e-6))
+    tokens, probs = tree.draft(place, limit, min_prob)
+    return Candidate(tokens, probs, place.depth)
+
+
+class ResponseCache:
+    """The global tree: finished responses, oldest removed first beyond ``max_responses``
+    responses or ``max_tokens`` tokens (a longer response keeps its first ``max_tokens``)."""
+
+    def __init__(self, max_depth: int, max_responses: int, max_tokens: int):
+        self.tree = SuffixTree(max_depth)
+        self.max_responses, self.max_tokens = max_responses, max_tokens
+        self.kept: OrderedDict[Hashable, int] = OrderedDict()  # key → sequence id, oldest first
+        self.tokens = 0  # held in the tree
+        self._next_id = 0
+
+    def add(self, tokens: Sequence[int], key: Hashable | None = None) -> None:
+        """Keeps ``tokens`` (replacing what ``key`` kept before); evicts the oldest beyond the bounds."""
+        if key is not None:
+            self.forget(key)
+        tokens = list(tokens)[: self.max_tokens]
+        if self.max_responses < 1 or not tokens:
+            return
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        self.tree.extend(seq_id, tokens)
+        self.tree.close(seq_id)
+        self.kept[(ResponseCache, seq_id) if key is None else key] = seq_id
+        self.tokens += len(tokens)
+        while len(self.kept) > self.max_responses or self.tokens > self.max_tokens:
+            self._drop(self.kept.popitem(last=False)[1])
+
+    def forget(self, key: Hashable) -> None:
+        """Removes the response kept under ``key``, if any."""
+        seq_id = self.kept.pop(key, None)
+        if seq_id is not None:
+            self._drop(seq_id)
+
+    def _drop(self, seq_id: int) -> None:
+        self.tokens -= len(self.tree.seqs[seq_id])
+        self.tree.remove(seq_id)
+
+
+@dataclass
+class SuffixState:
+    """One request's committed ids (batch 1): the first ``length`` tokens of ``tree``'s sequence.
+    States share a tree as it grows; a state behind its tree (rolled back, or consumed from
+    twice) is rebuilt from its own ids when next used, so every state reads exactly its ids."""
+
+    tree: SuffixTree
+    length: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.tree.seqs.get(REQUEST, [])[: self.length]
+
+
+class SuffixDrafter:
+    """Suffix decoding behind the engine's drafter protocol (module docstring); ``observe``
+    teaches the global tree a finished response."""
+
+    layer_ids: tuple[int, ...] = ()  # no target taps: reads token ids only
+
+    def __init__(self, vocab_size: int, num_speculative_tokens: int = 16, max_depth: int = 64,
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1, min_score: float = 0.0,
+                 max_cached_responses: int = 10_000, max_cached_tokens: int = 1 << 18,
+                 device: torch.device | str = "cpu"):
+        """``max_depth``: the trees' depth, bounding match + draft (a match is at most
+        ``max_depth - num_speculative_tokens`` long); ``max_cached_responses`` 0: no global tree."""
+        if not 1 <= num_speculative_tokens < max_depth:
+            raise ValueError(f"need 1 ≤ num_speculative_tokens ({num_speculative_tokens}) < max_depth ({max_depth})")
+        if max_spec_factor <= 0 or not 0 <= min_token_prob <= 1 or max_cached_responses < 0 or max_cached_tokens < 1:
+            raise ValueError(f"need max_spec_factor > 0 ({max_spec_factor}), 0 ≤ min_token_prob ≤ 1 "
+                             f"({min_token_prob}), max_cached_responses ≥ 0 ({max_cached_responses}) and "
+                             f"max_cached_tokens ≥ 1 ({max_cached_tokens})")
+        self.vocab_size, self.num_speculative_tokens = vocab_size, num_speculative_tokens
+        self.max_depth, self.max_match = max_depth, max_depth - num_speculative_tokens
+        self.max_spec_factor, self.min_token_prob, self.min_score = max_spec_factor, min_token_prob, min_score
+        self.responses = ResponseCache(max_depth, max_cached_responses, max_cached_tokens)
+        self.device = torch.device(device)
+
+    def capabilities(self) -> frozenset[Capability]:
+        """None beyond the core protocol: one request at a time, no own states, no carryover."""
+        return frozenset()
+
+    def identity(self) -> str:
+        """What round profiles of this drafter are keyed by: its class (no parameters)."""
+        return f"{type(self).__name__}:0"
+
+    # ------------------------------------------------------------------ the request's tree
+    def init_state(self, batch_size: int) -> SuffixState:
+        if batch_size != 1:
+            raise ValueError(f"{type(self).__name__} drafts for one request at a time, got batch {batch_size}")
+        return SuffixState(SuffixTree(self.max_depth))
+
+    def consume(self, state: SuffixState, tokens: Tensor, hidden: Tensor | None) -> SuffixState:
+        """The state after the committed ``tokens`` [1, T] (hidden states ignored)."""
+        tree = self._tree(state)
+        tree.extend(REQUEST, tokens[0].tolist())
+        return SuffixState(tree, state.length + tokens.shape[1])
+
+    def rollback(self, state: SuffixState, length: int) -> SuffixState:
+        return SuffixState(state.tree, min(length, state.length))
+
+    def _tree(self, state: SuffixState) -> SuffixTree:
+        """``state``'s tree, rebuilt from its own ids when the shared one has moved on."""
+        if len(state.tree.seqs.get(REQUEST, [])) != state.length:
+            rebuilt = SuffixTree(self.max_depth)
+            rebuilt.extend(REQUEST, state.tokens)
+            state.tree = rebuilt
+        return state.tree
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, state: SuffixState, last_token: Tensor, sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
+        """At most γ tokens after ``last_token`` [1]; an empty proposal (tokens [1, 0]) without a
+        match or below ``min_score``."""
+        gamma = num_speculative_tokens or self.num_speculative_tokens
+        tree = self._tree(state)
+        committed = tree.seqs.get(REQUEST, [])
+        context = committed[max(0, state.length - self.max_match + 1):state.length] + [int(last_token[0])]
+        best = self.speculate(tree, context, gamma)
+        tokens = best.tokens if best.tokens and best.score >= self.min_score else []
+        return one_hot_proposal(tokens, self.vocab_size, self.device)
+
+    def speculate(self, request: SuffixTree, context: list[int], gamma: int) -> Candidate:
+        """The request tree's candidate, or the global tree's when it scores higher."""
+        args = (self.max_match, gamma, self.max_spec_factor, self.min_token_prob)
+        own = speculate(request, context, *args)
+        if not self.responses.kept:
+            return own
+        shared = speculate(self.responses.tree, context, *args)
+        return shared if shared.score > own.score else own
+
+    # ------------------------------------------------------------------ the global tree
+    def observe(self, response: Sequence[int], key: Hashable | None = None) -> None:
+        """Keeps a finished response (new tokens, prompt excluded) in the global tree; under
+        ``key`` (e.g. the prompt) it replaces that key's earlier response."""
+        self.responses.add(response, key)
+
+    def forget(self, key: Hashable) -> None:
+        """Drops the response kept under ``key`` (call before running that request again, so
+        that it is not drafted from its own earlier answer)."""
+        self.responses.forget(key)
