@@ -1,0 +1,315 @@
+"""Suffix decoding: the trees against brute force over the token lists they hold (counts, next
+tokens, longest match, the greedy draft, eviction), the drafter's choice between the request's
+tree and the global one, its empty proposals, and the engines with it: the target's own output,
+greedy and sampled, in the batch-1 and the batch engine.
+
+Random cases use small vocabularies and short sequences so that repeats (the lazily stored
+nodes' splits) are everywhere; nothing here rests on what the fixture target learned."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from components.engine import BatchEngine, SpeculativeEngine, SuffixDrafter, target_only_generate
+from components.engine.batch import Request
+from components.engine.suffix import ResponseCache, SuffixTree, speculate
+from components.spec.sampling import SamplingParams
+from tests.components.engine.batch.test_continuous import requests
+from tests.components.engine.test_engine_zero_draft import SAMPLED, successor_target
+
+
+# ----------------------------------------------------------------------------- brute force
+def brute_counts(seqs: list[list[int]], depth: int) -> Counter:
+    """Every string of ≤ ``depth`` tokens → its occurrences in ``seqs``."""
+    counts: Counter = Counter()
+    for s in seqs:
+        for i in range(len(s)):
+            for n in range(1, min(depth, len(s) - i) + 1):
+                counts[tuple(s[i:i + n])] += 1
+    return counts
+
+
+def brute_next(seqs: list[list[int]], x: list[int], depth: int) -> Counter:
+    """Next token → how many occurrences of ``x`` it follows (none once ``x`` is ``depth`` long)."""
+    if len(x) >= depth:
+        return Counter()
+    return Counter(s[i + len(x)] for s in seqs for i in range(len(s) - len(x)) if s[i:i + len(x)] == x)
+
+
+def brute_speculate(seqs, context, max_match, gamma, factor, min_prob, depth) -> tuple[list[int], list[float], int]:
+    """(tokens, probabilities, match length) as the module docstring defines them."""
+    top = min(max_match, len(context), depth - 1)
+    m = max((n for n in range(1, top + 1) if brute_next(seqs, context[len(context) - n:], depth)), default=0)
+    tokens, probs, prob = [], [], 1.0
+    if m == 0:
+        return tokens, probs, 0
+    x = context[len(context) - m:]
+    while len(tokens) < min(gamma, int(factor * m + 1e-6)):
+        nxt = brute_next(seqs, x, depth)
+        if not nxt:
+            break
+        best = min(nxt, key=lambda t: (-nxt[t], t))
+        prob *= nxt[best] / sum(nxt.values())
+        if prob < min_prob:
+            break
+        tokens, probs, x = tokens + [best], probs + [prob], x + [best]
+    return tokens, probs, m
+
+
+def random_seq(rng: random.Random, vocab: int, longest: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(rng.randint(0, longest))]
+
+
+def grown(tree: SuffixTree, seq_id: int, seq: list[int], rng: random.Random) -> None:
+    """Appends ``seq`` to ``tree`` in random pieces (the engine commits 1..γ+1 tokens a round)."""
+    i = 0
+    while i < len(seq):
+        j = i + rng.randint(1, 5)
+        tree.extend(seq_id, seq[i:j])
+        i = j
+
+
+def assert_exact(tree: SuffixTree, seqs: list[list[int]]) -> None:
+    counts = brute_counts(seqs, tree.max_depth)
+    assert tree.root.count == sum(map(len, seqs))
+    for x, n in counts.items():
+        assert tree.count(x) == n, x
+        assert tree.next_counts(tree.find(x)) == brute_next(seqs, list(x), tree.max_depth), x
+    absent = [(v,) for v in range(6) if (v,) not in counts] + [x + (9,) for x in list(counts)[:5]]
+    assert all(tree.find(x) is None and tree.count(x) == 0 for x in absent)
+
+
+# ----------------------------------------------------------------------------- the tree
+@pytest.mark.parametrize("seed", range(4))
+def test_counts_and_next_tokens_are_the_brute_forces(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        tree, seqs = SuffixTree(rng.randint(1, 7)), []
+        for k in range(rng.randint(1, 4)):
+            seqs.append(random_seq(rng, rng.randint(1, 4), 30))
+            grown(tree, k, seqs[-1], rng)
+            tree.close(k)
+        assert_exact(tree, seqs)
+
+
+def test_counts_stay_exact_when_several_sequences_grow_and_one_is_removed():
+    rng = random.Random(7)
+    for _ in range(60):
+        tree, seqs = SuffixTree(rng.randint(1, 6)), {0: [], 1: [], 2: []}
+        for _ in range(50):
+            k = rng.randrange(3)
+            if k in seqs:
+                seqs[k].append(rng.randrange(3))
+                tree.extend(k, seqs[k][-1:])
+            if 2 in seqs and seqs[2] and rng.random() < 0.05:
+                tree.remove(2)
+                del seqs[2]
+        assert_exact(tree, list(seqs.values()))
+
+
+def test_a_closed_sequence_does_not_grow():
+    tree = SuffixTree(4)
+    tree.extend(0, [1, 2])
+    tree.close(0)
+    with pytest.raises(ValueError, match="closed"):
+        tree.extend(0, [3])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_longest_match_and_draft_are_the_brute_forces(seed):
+    rng = random.Random(100 + seed)
+    for _ in range(60):
+        depth, vocab = rng.randint(2, 8), rng.randint(1, 4)
+        seqs = [random_seq(rng, vocab, 25) for _ in range(rng.randint(1, 3))]
+        tree = SuffixTree(depth)
+        for k, s in enumerate(seqs):
+            tree.extend(k, s)
+            tree.close(k)
+        for _ in range(10):
+            context = random_seq(rng, vocab + 1, 12) or [0]  # vocab + 1: sometimes a token never seen
+            args = (rng.randint(1, depth), rng.randint(1, 6), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.4]))
+            got = speculate(tree, context, *args)
+            assert (got.tokens, got.probs, got.match_len) == brute_speculate(seqs, context, *args, depth)
+
+
+def test_the_draft_grows_with_the_match():
+    """max_spec_factor 1: a match of m tokens drafts at most m (here every continuation is unique)."""
+    tree = SuffixTree(16)
+    tree.extend(0, [5, 1, 2, 3, 4, 6, 7, 8])
+    assert speculate(tree, [9, 1], 15, 8, 1.0, 0.1).tokens == [2]  # "1": one token
+    assert speculate(tree, [5, 1, 2], 15, 8, 1.0, 0.1).tokens == [3, 4, 6]  # "5 1 2": three
+    assert speculate(tree, [5, 1, 2], 15, 2, 1.0, 0.1).tokens == [3, 4]  # at most γ
+    assert speculate(tree, [9, 9], 15, 8, 1.0, 0.1).match_len == 0  # never seen: no candidate
+
+
+def test_the_draft_stops_where_the_estimated_probability_falls_below_the_minimum():
+    tree = SuffixTree(8)
+    tree.extend(0, [1, 2, 3, 1, 2, 4, 1, 2, 3, 9])  # after "1 2": 3 twice, 4 once
+    got = speculate(tree, [0, 1, 2], 7, 5, 2.0, 0.5)
+    assert got.tokens[:1] == [3] and got.probs[0] == pytest.approx(2 / 3)
+    assert speculate(tree, [0, 1, 2], 7, 5, 2.0, 0.7).tokens == []
+
+
+# ----------------------------------------------------------------------------- the global tree
+@pytest.mark.parametrize("max_responses, max_tokens", [(3, 1000), (100, 40), (2, 25)])
+def test_eviction_keeps_counts_those_of_the_kept_responses(max_responses, max_tokens):
+    rng = random.Random(max_tokens)
+    cache, kept = ResponseCache(5, max_responses, max_tokens), []  # kept: brute-force FIFO
+    for i in range(30):
+        response = random_seq(rng, 3, 30)[:max_tokens]
+        key = rng.choice([None, "a", "b"])
+        cache.add(response, key)
+        kept = [(k, r) for k, r in kept if key is None or k != key]
+        if response:
+            kept.append((key, response))
+        while len(kept) > max_responses or sum(len(r) for _, r in kept) > max_tokens:
+            kept.pop(0)
+        assert [cache.tree.seqs[s] for s in cache.kept.values()] == [r for _, r in kept]
+        assert cache.tokens == sum(len(r) for _, r in kept)
+        assert_exact(cache.tree, [r for _, r in kept])
+    for key in list(cache.kept):
+        cache.forget(key)
+    assert cache.tree.root.children == {} and cache.tree.root.count == 0 and cache.tokens == 0
+
+
+def test_no_global_tree_when_no_response_is_kept():
+    cache = ResponseCache(8, 0, 100)
+    cache.add([1, 2, 3])
+    assert not cache.kept and cache.tree.root.count == 0
+
+
+# ----------------------------------------------------------------------------- the drafter
+def _state(drafter: SuffixDrafter, committed: list[int]):
+    return drafter.consume(drafter.init_state(1), torch.tensor([committed]), None)
+
+
+def test_proposes_nothing_without_a_match():
+    drafter = SuffixDrafter(50, 4, 8)
+    empty = drafter.propose(_state(drafter, [7, 8, 9]), torch.tensor([10]))
+    assert empty.tokens.shape == (1, 0) and empty.logits.shape == empty.probs.shape == (1, 0, 50)
+    found = drafter.propose(_state(drafter, [1, 2, 3, 9]), torch.tensor([1]))  # "1" was followed by 2
+    assert found.tokens.tolist() == [[2]] and found.probs[0, 0, 2] == 1.0
+    picky = SuffixDrafter(50, 4, 8, min_score=1.5)  # a one-token draft scores at most 1
+    assert picky.propose(_state(picky, [1, 2, 3, 9]), torch.tensor([1])).tokens.shape == (1, 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_request_or_the_global_candidate_whichever_scores_higher(seed):
+    """propose = the brute force over both trees: the global candidate only when it scores higher."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        depth, gamma = rng.randint(3, 9), rng.randint(1, 2)
+        drafter = SuffixDrafter(6, gamma, depth, rng.choice([1.0, 2.0]), rng.choice([0.0, 0.3]), max_cached_responses=2)
+        responses = [random_seq(rng, 3, 20) for _ in range(rng.randint(0, 3))]
+        for r in responses:
+            drafter.observe(r)
+        kept = [r for r in responses if r][-2:]
+        committed, last = random_seq(rng, 3, 20) + [0], rng.randrange(4)
+        context = committed[max(0, len(committed) - drafter.max_match + 1):] + [last]
+        args = (drafter.max_match, gamma, drafter.max_spec_factor, drafter.min_token_prob, depth)
+        own, shared = brute_speculate([committed], context, *args), brute_speculate(kept, context, *args)
+        want = shared[0] if sum(shared[1]) > sum(own[1]) else own[0]
+        assert drafter.propose(_state(drafter, committed), torch.tensor([last])).tokens[0].tolist() == want
+
+
+def test_rolled_back_and_stale_states_read_their_own_ids():
+    drafter = SuffixDrafter(20, 3, 8)
+
+    def drafts(state, last):
+        return drafter.propose(state, torch.tensor([last])).tokens[0].tolist()
+
+    old = _state(drafter, [1, 2, 3, 4])
+    new = drafter.consume(old, torch.tensor([[1, 2, 5, 6]]), None)  # shares old's tree, which grows
+    assert drafts(new, 1) == [2]  # "1": 2 twice, then 3 or 5 once each
+    assert drafts(old, 4) == [] and drafts(old, 1) == [2]  # old reads [1, 2, 3, 4] only
+    branch = drafter.consume(old, torch.tensor([[9, 1, 2]]), None)  # from the older state: rebuilt
+    assert branch.tokens == [1, 2, 3, 4, 9, 1, 2] and new.tokens == [1, 2, 3, 4, 1, 2, 5, 6]
+    assert drafts(branch, 3) == [4, 9, 1] and drafts(new, 5) == [6]
+    back = drafter.rollback(new, 4)
+    assert back.tokens == [1, 2, 3, 4] and drafts(back, 1) == drafts(_state(drafter, [1, 2, 3, 4]), 1)
+
+
+def test_a_prompt_run_again_is_not_drafted_from_its_own_earlier_answer():
+    drafter = SuffixDrafter(50, 4, 8)
+    drafter.observe([30, 31, 32, 33], key="p")
+    state = _state(drafter, [1, 2])
+    assert drafter.propose(state, torch.tensor([30])).tokens.tolist() == [[31]]
+    drafter.forget("p")
+    assert drafter.propose(state, torch.tensor([30])).tokens.shape == (1, 0)
+    drafter.observe([30, 31], key="q")
+    drafter.observe([30, 40], key="q")  # replaces q's earlier answer
+    assert drafter.propose(state, torch.tensor([30])).tokens.tolist() == [[40]]
+
+
+def test_settings_out_of_range_are_refused():
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SuffixDrafter(50, 16, 16)
+    with pytest.raises(ValueError, match="min_token_prob"):
+        SuffixDrafter(50, 4, 16, min_token_prob=1.5)
+    with pytest.raises(ValueError, match="batch"):
+        SuffixDrafter(50).init_state(2)
+
+
+# ----------------------------------------------------------------------------- the engines
+def test_drafts_from_an_earlier_response_lengthen_with_the_match(tiny_target):
+    """The successor target (next = input + 1) makes the output known; with that output learned
+    from an earlier run, each round's match grows by the round's tokens (1, then 1 + 1 + 1, ...)
+    and every draft is accepted, up to γ; the batch engine drafts the same."""
+    target, prompt, n = successor_target(tiny_target), list(range(10, 20)), 20
+    ref = target_only_generate(target, prompt, n).tokens
+    drafter = SuffixDrafter(target.vocab_size, 4, 12)
+    drafter.observe(ref)
+    out = SpeculativeEngine(target, drafter).generate(prompt, n)
+    assert out.tokens == ref and out.accepted == out.drafted
+    assert out.drafted[:4] == [1, 3, 4, 4]
+    batch = BatchEngine(target, drafter, max_batch_size=2).generate([Request(prompt, n)])[0]
+    assert batch.tokens == ref and batch.drafted == out.drafted and batch.accepted == out.accepted
+
+
+def test_without_any_match_every_round_is_a_plain_step(tiny_target):
+    target, prompt, n = successor_target(tiny_target), list(range(10, 20)), 12
+    out = SpeculativeEngine(target, SuffixDrafter(target.vocab_size, 4, 12)).generate(prompt, n)
+    assert out.tokens == list(range(20, 32)) and out.accepted == [] and out.rounds == n - 1
+
+
+def test_greedy_is_the_targets_output_in_both_engines(tiny_target, greedy_refs):
+    """Real prompts, responses of other requests in the global tree: token for token the target's."""
+    reqs = requests(tiny_target)
+    drafter = SuffixDrafter(tiny_target.vocab_size, 4, 16)
+    for other in greedy_refs[::2]:
+        drafter.observe(other)
+    single = SpeculativeEngine(tiny_target, drafter)
+    outs = [single.generate(r.prompt_ids, r.max_new_tokens) for r in reqs]
+    assert [o.tokens for o in outs] == greedy_refs
+    assert all(o.target_forwards == o.rounds + 1 for o in outs)
+    assert [r.tokens for r in BatchEngine(tiny_target, drafter, max_batch_size=4).generate(reqs)] == greedy_refs
+
+
+@pytest.mark.parametrize("rule", ["gumbel", "speculative"])
+def test_sampled_rows_draw_what_the_batch_1_engine_draws(tiny_target, rule):
+    """One-hot q under a sampling rule: Gumbel gives the target's own Gumbel-max sample; the
+    batch engine draws, per request seed, what the batch-1 engine draws."""
+    reqs = requests(tiny_target, rule=rule, sampling=SAMPLED)
+    for i, r in enumerate(reqs):
+        r.seed = 40 + i
+    drafter = SuffixDrafter(tiny_target.vocab_size, 4, 16)
+    single = SpeculativeEngine(tiny_target, drafter, rule=rule)
+    expected = [single.generate(r.prompt_ids, r.max_new_tokens, SAMPLED, r.seed) for r in reqs]
+    if rule == "gumbel":
+        assert [o.tokens for o in expected] == [
+            target_only_generate(tiny_target, r.prompt_ids, r.max_new_tokens, SAMPLED, r.seed, rule="gumbel").tokens
+            for r in reqs]
+    got = BatchEngine(tiny_target, drafter, max_batch_size=4).generate(reqs)
+    assert [r.tokens for r in got] == [o.tokens for o in expected]
+    assert [r.accepted for r in got] == [o.accepted for o in expected]
+
+
+def test_one_hot_q_under_sampling():
+    drafter = SuffixDrafter(12, 4, 8)
+    prop = drafter.propose(_state(drafter, [1, 2, 3, 1, 2, 3]), torch.tensor([1]), SamplingParams(temperature=0.7))
+    assert prop.tokens.tolist() == [[2, 3]]  # "1 2 3 1" went on with 2, 3
+    assert torch.equal(prop.probs[0], torch.nn.functional.one_hot(torch.tensor([2, 3]), 12).float())
