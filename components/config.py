@@ -236,8 +236,8 @@ class EvalConfig:
     """Stage ``eval``: τ, acceptance by position, tokens/s and speedup of every method in
     ``methods`` on the same held-out prompts, in the same process (components/evaluation/)."""
 
-    # target_only | drafter | drafter_dloop | drafter_tree (opt-in) | prompt_lookup (our engine) | hf_generate |
-    # drafter_adaptive (as the serve stage drafts: adaptive cap, DLoop stages) | hf_prompt_lookup |
+    # target_only | drafter | drafter_dloop | drafter_tree (opt-in) | prompt_lookup | suffix (opt-in; our engine) |
+    # hf_generate | drafter_adaptive (as the serve stage drafts: adaptive cap, DLoop stages) | hf_prompt_lookup |
     # hf_assisted (transformers' generate, the peers) | vllm_* (vLLM, opt-in, see vllm_python
     # below). Speedups are against target_only.
     methods: list[str] = field(default_factory=lambda: [
@@ -271,6 +271,13 @@ class EvalConfig:
     drafter_int8_head: bool = False  # drafter methods: read drafts out through an int8 LM head (CPU; lossless)
     lookup_num_speculative_tokens: int = 7  # γ of prompt lookup (ours and transformers')
     lookup_max_ngram: int = 3  # longest n-gram prompt lookup matches
+    # suffix (suffix decoding, components/engine/suffix.py; vLLM's names with suffix_decoding_, its defaults
+    # but for the depth: 64 as Arctic Inference's own, since here a match leaves room for a whole draft)
+    suffix_num_speculative_tokens: int = 16  # most drafts per round; fewer when the match is short or unsure
+    suffix_max_tree_depth: int = 64  # the trees' depth: match + draft (a match ≤ depth - num_speculative_tokens)
+    suffix_max_spec_factor: float = 1.0  # a match of m tokens drafts at most factor·m
+    suffix_min_token_prob: float = 0.1  # drafts while the estimated probability (Π count/total) stays ≥ this
+    suffix_max_cached_responses: int = 10000  # earlier responses in the global tree, oldest out first (0: none)
     # hf_assisted's assistant: "auto" = for the embedded target, a smaller LM pretrained on its
     # training split with its tokenizer (built once, cached beside the target); else an HF
     # directory or hub id with the target's tokenizer; null = none (hf_assisted then refused).

@@ -8,7 +8,10 @@ Ours (``components.engine``, timed by the engine itself, prefill included):
   (``drafter_dloop``: DLoop stages behind a log-probability gate; ``drafter_tree``: token trees,
   ``TreeEngine``; ``drafter_adaptive``: the batch engine as the serve stage runs it, the draft
   cap (0 = a plain round) chosen per round from a round profile and the acceptance seen);
-* ``prompt_lookup`` -- the speculative engine with the n-gram ``PromptLookupDrafter``.
+* ``prompt_lookup`` -- the speculative engine with the n-gram ``PromptLookupDrafter``;
+* ``suffix``        -- the speculative engine with suffix decoding (``SuffixDrafter``, opt-in): the
+  request's own suffix tree beside a global one of the responses before it, so it learns over
+  the prompts in turn as a server over its requests (its τ depends on their order).
 
 Peers (transformers' ``generate`` on the same target object, see ``hf.py``):
 
@@ -30,6 +33,7 @@ Knows the engine and the generate wrappers; nothing about prompts' origin, MLflo
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,6 +47,7 @@ from components.engine import (
     PromptLookupDrafter,
     Request,
     SpeculativeEngine,
+    SuffixDrafter,
     TreeEngine,
     adaptive_engine,
     loop_stages_for,
@@ -170,6 +175,30 @@ def prompt_lookup(ctx: EvalContext) -> MethodFn:
     return run
 
 
+def suffix(ctx: EvalContext) -> MethodFn:
+    """Suffix decoding; after each generation the response joins the global tree (its cost
+    counted in the run's seconds, as a server pays it), and a prompt run again (the warmup's)
+    first drops its earlier response, so that no prompt is drafted from its own answer."""
+    ev = ctx.ev
+    settings = {"max_tree_depth": ev.suffix_max_tree_depth, "max_spec_factor": ev.suffix_max_spec_factor,
+                "min_token_prob": ev.suffix_min_token_prob, "max_cached_responses": ev.suffix_max_cached_responses}
+    drafter = SuffixDrafter(ctx.target.vocab_size, ev.suffix_num_speculative_tokens, ev.suffix_max_tree_depth,
+                            ev.suffix_max_spec_factor, ev.suffix_min_token_prob,
+                            max_cached_responses=ev.suffix_max_cached_responses, device=ctx.target.device)
+    engine = SpeculativeEngine(ctx.target, drafter, rule=ev.rule)
+    ctx.notes["suffix"] = {"num_speculative_tokens": engine.settings.num_speculative_tokens, "rule": ev.rule,
+                           **settings}
+
+    def run(ids: list[int], n: int, seed: int) -> PromptRun:
+        drafter.forget(tuple(ids))
+        out = _from_engine("suffix", engine.generate(ids, n, ctx.sampling, seed), drafting=True)
+        clock = time.perf_counter()
+        drafter.observe(out.tokens, key=tuple(ids))
+        out.seconds += time.perf_counter() - clock
+        return out
+    return run
+
+
 def hf_plain(ctx: EvalContext) -> MethodFn:
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
         return hf_generate(ctx.target.model, ids, n, ctx.ev.temperature, seed, method="hf_generate")
@@ -209,6 +238,7 @@ METHODS: dict[str, Method] = {
     "drafter_adaptive": Method(build=drafter_adaptive, needs_drafter=True),
     "drafter_tree": Method(build=drafter_tree, needs_drafter=True),
     "prompt_lookup": Method(build=prompt_lookup),
+    "suffix": Method(build=suffix),
     "hf_generate": Method(build=hf_plain, peer="hf"),
     "hf_prompt_lookup": Method(build=hf_prompt_lookup, peer="hf"),
     "hf_assisted": Method(build=hf_assisted, peer="hf", needs_assistant=True),
@@ -244,9 +274,25 @@ def check_methods(ev: EvalConfig) -> list[str]:
     for key in ("num_prompts", "max_new_tokens", "lookup_num_speculative_tokens", "lookup_max_ngram", "vllm_num_speculative_tokens"):
         if getattr(ev, key) < 1:
             raise ConfigError(f"eval.{key}: must be at least 1 (got {getattr(ev, key)})")
+    _check_suffix(ev)
     if any(METHODS[m].in_vllm for m in ev.methods):
         vllm_python(ev)  # a ConfigError naming eval.vllm_python and `make vllm-env` when missing
     return [REFERENCE] + [m for m in ev.methods if m != REFERENCE]
+
+
+def _check_suffix(ev: EvalConfig) -> None:
+    """The suffix method's settings in range (ConfigErrors naming the key)."""
+    if not 1 <= ev.suffix_num_speculative_tokens < ev.suffix_max_tree_depth:
+        raise ConfigError(f"eval.suffix_max_tree_depth: must exceed eval.suffix_num_speculative_tokens ≥ 1 (a match "
+                          f"leaves room for a whole draft in the tree); got {ev.suffix_max_tree_depth} and "
+                          f"{ev.suffix_num_speculative_tokens}")
+    if ev.suffix_max_spec_factor <= 0:
+        raise ConfigError(f"eval.suffix_max_spec_factor: must be > 0 (got {ev.suffix_max_spec_factor})")
+    if not 0 <= ev.suffix_min_token_prob <= 1:
+        raise ConfigError(f"eval.suffix_min_token_prob: must be in [0, 1] (got {ev.suffix_min_token_prob})")
+    if ev.suffix_max_cached_responses < 0:
+        raise ConfigError(f"eval.suffix_max_cached_responses: must be ≥ 0, 0 for no global tree "
+                          f"(got {ev.suffix_max_cached_responses})")
 
 
 def exact_methods(ev: EvalConfig, methods: list[str]) -> set[str]:

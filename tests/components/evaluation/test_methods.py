@@ -41,7 +41,7 @@ def _ctx(tiny_target, drafter, **ev) -> EvalContext:
 
 def test_registry_says_what_each_method_needs_and_where_it_runs():
     assert needs_drafter(["target_only", "drafter_tree"]) and needs_drafter(["vllm_drafter"])
-    assert not needs_drafter(["target_only", "prompt_lookup", "hf_assisted", "vllm_ngram"])
+    assert not needs_drafter(["target_only", "prompt_lookup", "suffix", "hf_assisted", "vllm_ngram"])
     assert needs_assistant(["hf_assisted"]) and needs_assistant(["vllm_draft_model"])
     assert not needs_assistant(["drafter", "hf_prompt_lookup", "vllm_generate"])
     assert {n for n, m in METHODS.items() if m.in_vllm} == {n for n, m in METHODS.items() if m.peer == "vllm"}
@@ -86,3 +86,27 @@ def test_drafter_adaptive_is_lossless_with_its_profile_stored_for_the_next_run(t
         assert report.failures == [] and summary.lossless is True
         assert summary.extra["round_profile"] == want and summary.extra["max_cap"] == 8  # γ 4 × 2 stages
     assert len(list(tmp_path.glob("round-profile-*.json"))) == 1
+
+
+def test_suffix_is_lossless_and_never_drafts_a_prompt_from_its_own_answer(tiny_target, eval_prompt_list):
+    """The global tree learns each response, but a prompt run again (as after the warmup) first
+    drops its own: its second run drafts exactly as a fresh method's first."""
+    ctx = _ctx(tiny_target, None, methods=["target_only", "suffix"], suffix_num_speculative_tokens=4,
+               suffix_max_tree_depth=16)
+    report = compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list)
+    assert report.failures == [] and report.summaries["suffix"].lossless is True
+    assert report.summaries["suffix"].extra["num_speculative_tokens"] == 4
+    prompt = list(eval_prompt_list[0].input_ids)
+    fresh = METHODS["suffix"].build(ctx)(prompt, NEW, 0)
+    rerun = METHODS["suffix"].build(ctx)
+    rerun(prompt, NEW, 0)
+    second = rerun(prompt, NEW, 0)
+    assert second.tokens == fresh.tokens and (second.accepted, second.drafted) == (fresh.accepted, fresh.drafted)
+
+
+@pytest.mark.parametrize("key, value", [("suffix_max_tree_depth", 16), ("suffix_min_token_prob", 1.5),
+                                        ("suffix_max_spec_factor", 0.0), ("suffix_max_cached_responses", -1)])
+def test_suffix_settings_out_of_range_are_config_errors(key, value):
+    ev = EvalConfig(methods=["target_only", "suffix"], suffix_num_speculative_tokens=16, **{key: value})
+    with pytest.raises(ConfigError, match=rf"eval\.{key}"):
+        check_methods(ev)
