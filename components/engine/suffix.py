@@ -10,17 +10,20 @@ a model-free drafter that copies what followed the current context's longest suf
 * ``SuffixDrafter`` -- the engine's drafter (batch 1): a per-request tree over the request's
   committed ids (prompt + output so far) beside the drafter's global tree.
 
-Speculation, per tree: the longest suffix of the context (at most ``max_depth - γ`` tokens, so a
-whole draft fits in the tree) that occurred before with a next token is matched; from it the
-draft follows the most frequent next token (ties: the smaller id), each token's estimated
-probability the running product of count(next) / count(all next tokens seen there), while it
-stays ≥ ``min_token_prob`` and the draft is shorter than ``min(γ, max_spec_factor · match)``.
-A candidate's score is the sum of its tokens' probabilities; the global tree's candidate is taken
+Speculation, per tree: the longest suffix of the context (at most ``max_depth -
+num_speculative_tokens`` tokens, so a whole draft fits in the tree) that occurred before with a
+next token is matched; from it the draft follows the most frequent next token (ties: the
+smaller id), each token's estimated probability the running product of count(next) / count(all
+next tokens seen there), while that stays ≥ ``min_token_prob`` and the draft is shorter than
+``min(γ, max_spec_factor · match)``. Where the continuation runs out (the match's earlier
+occurrence reached the end of what is known, as in a loop one period back), context + draft is
+matched again and the walk goes on, as prompt lookup follows a loop. A candidate's score is the sum of its tokens' probabilities; the global tree's candidate is taken
 only when it scores higher than the request's. No match, or a best score below ``min_score``:
 nothing is proposed (an empty ``Proposal``, tokens [1, 0]) and the engines take a plain step.
 
 Where this differs from Arctic Inference's implementation (which vLLM calls): the longest match
-only, not the best-scoring of every match length; probabilities over the occurrences that have
+only, not the best-scoring of every match length, and loops followed by matching again;
+probabilities over the occurrences that have
 a next token (the context's own trailing occurrence is no evidence); responses enter the global
 tree when finished (``observe``), not token by token while they are generated; chains only --
 the paper's speculation *trees* are out of scope (``tree.TreeEngine`` verifies trees, but this
@@ -29,18 +32,19 @@ drafter returns one chain).
 The trie is stored lazily so that memory and time follow the repeats, not ``max_depth``: a node
 seen once stores no children, only where its one occurrence continues (``_Node.seq/pos``); it
 grows children when a second occurrence arrives. Appending a token touches one node per
-repeated suffix of the sequence, and matching walks at most the match length (galloping). In
+repeated suffix of the sequence, and a match of m tokens costs O(m log m) steps (galloping
+over the length). In
 CPython the global tree costs about 0.2 KB per kept token on varied text and up to ~1 KB on
 text that repeats itself, hence the token bound (``max_cached_tokens``) beside vLLM's count of
 responses. At most one sequence of a tree grows at a time here (a request's; a response is
 added whole), though the tree stays exact if several do.
 
-Proposals are one-hot q (``model_free.one_hot_proposal``), so sampled rules stay lossless. Asks
+Proposals are one-hot q (``model_free.one_hot_proposal``), as prompt lookup's. Asks
 for no target taps (``layer_ids = ()``) and declares no capabilities (no batched passes, DLoop,
 carryover or tree head). Knows nothing about verification, caches or tokenization; who runs
 requests calls ``observe`` with each finished response (the eval stage's ``suffix`` method does;
-a serving replica could do the same as requests finish). Not thread-safe: observe from the
-thread that drafts.
+a serving replica would do the same as its requests finish, though the serve stage serves trained
+drafters only today). Not thread-safe: observe from the thread that drafts.
 """
 
 from __future__ import annotations
@@ -207,34 +211,36 @@ class SuffixTree:
             best, good, bad = (found, mid, bad) if found is not None else (best, good, mid)
         return best
 
-    def draft(self, place: _Place, max_tokens: int, min_prob: float) -> tuple[list[int], list[float]]:
-        """(tokens, their estimated probabilities): from ``place``, the most frequent next token
-        (ties: the smaller id) while the running product of count / total stays ≥ ``min_prob``,
-        at most ``max_tokens`` and not past ``max_depth``."""
+    def draft(self, place: _Place, max_tokens: int, min_prob: float,
+              prob: float = 1.0) -> tuple[list[int], list[float], bool]:
+        """(tokens, their estimated probabilities, whether the continuation ran out): from
+        ``place``, the most frequent next token (ties: the smaller id) while the running product
+        (from ``prob``) of count / total stays ≥ ``min_prob``, at most ``max_tokens``. It runs out
+        where nothing followed (a sequence's end) or at ``max_depth``."""
         tokens: list[int] = []
         probs: list[float] = []
-        node, depth, extra, prob = place.node, place.depth, place.extra, 1.0
-        while len(tokens) < max_tokens and depth < self.max_depth:
+        node, depth, extra = place.node, place.depth, place.extra
+        while len(tokens) < max_tokens:
+            if depth >= self.max_depth:
+                return tokens, probs, True
             if node.children is None:  # one occurrence: its continuation, probability unchanged
                 seq, at = self.seqs[node.seq], node.pos + extra
                 run = seq[at:at + min(max_tokens - len(tokens), self.max_depth - depth)]
-                tokens += run
-                probs += [prob] * len(run)
-                break
+                return tokens + run, probs + [prob] * len(run), len(tokens) + len(run) < max_tokens
             best, best_count, total = -1, 0, 0
             for token, child in node.children.items():
                 total += child.count
                 if child.count > best_count or (child.count == best_count and token < best):
                     best, best_count = token, child.count
             if total == 0:
-                break
+                return tokens, probs, True
             prob *= best_count / total
             if prob < min_prob:
                 break
             tokens.append(best)
             probs.append(prob)
             node, depth, extra = node.children[best], depth + 1, 0
-        return tokens, probs
+        return tokens, probs, False
 
 
 @dataclass
@@ -253,14 +259,24 @@ class Candidate:
 
 def speculate(tree: SuffixTree, context: Sequence[int], max_match: int, gamma: int, max_spec_factor: float,
               min_prob: float) -> Candidate:
-    """``tree``'s candidate for ``context``: the longest match (≤ ``max_match``), then at most
-    min(γ, ⌊factor · match⌋) tokens of greedy continuation (an empty candidate without a match)."""
+    """``tree``'s candidate for ``context``: the longest match m (≤ ``max_match``), then at most
+    min(γ, ⌊factor · m⌋) tokens of greedy continuation; where the continuation runs out (the
+    match's earlier occurrence reached the end of what is known: a loop), context + draft is
+    matched again and drafting goes on, as prompt lookup continues a loop past one period.
+    Without a match, an empty candidate."""
     place = tree.longest_match(context, max_match)
     if place is None:
         return Candidate()
-    limit = min(gamma, int(max_spec_factor * place.depth + 1e-6))
-    tokens, probs = tree.draft(place, limit, min_prob)
-    return Candidate(tokens, probs, place.depth)
+    first, limit = place.depth, min(gamma, int(max_spec_factor * place.depth + 1e-6))
+    tokens: list[int] = []
+    probs: list[float] = []
+    while place is not None and len(tokens) < limit:
+        more, more_probs, ran_out = tree.draft(place, limit - len(tokens), min_prob, probs[-1] if probs else 1.0)
+        tokens, probs = tokens + more, probs + more_probs
+        if not ran_out:
+            break
+        place = tree.longest_match(list(context) + tokens, max_match)
+    return Candidate(tokens, probs, first)
 
 
 class ResponseCache:

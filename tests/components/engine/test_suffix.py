@@ -40,24 +40,28 @@ def brute_next(seqs: list[list[int]], x: list[int], depth: int) -> Counter:
     return Counter(s[i + len(x)] for s in seqs for i in range(len(s) - len(x)) if s[i:i + len(x)] == x)
 
 
-def brute_speculate(seqs, context, max_match, gamma, factor, min_prob, depth) -> tuple[list[int], list[float], int]:
-    """(tokens, probabilities, match length) as the module docstring defines them."""
+def brute_match(seqs, context, max_match, depth) -> int:
+    """The longest suffix of ``context`` (≤ max_match, < depth) that was followed by a token."""
     top = min(max_match, len(context), depth - 1)
-    m = max((n for n in range(1, top + 1) if brute_next(seqs, context[len(context) - n:], depth)), default=0)
+    return max((n for n in range(1, top + 1) if brute_next(seqs, context[len(context) - n:], depth)), default=0)
+
+
+def brute_speculate(seqs, context, max_match, gamma, factor, min_prob, depth) -> tuple[list[int], list[float], int]:
+    """(tokens, probabilities, match length) as the module docstring defines them: the greedy
+    walk from the longest match, matched again on context + draft where it runs out."""
+    first = m = brute_match(seqs, context, max_match, depth)
+    limit = min(gamma, int(factor * m + 1e-6))
     tokens, probs, prob = [], [], 1.0
-    if m == 0:
-        return tokens, probs, 0
-    x = context[len(context) - m:]
-    while len(tokens) < min(gamma, int(factor * m + 1e-6)):
-        nxt = brute_next(seqs, x, depth)
-        if not nxt:
-            break
-        best = min(nxt, key=lambda t: (-nxt[t], t))
-        prob *= nxt[best] / sum(nxt.values())
-        if prob < min_prob:
-            break
-        tokens, probs, x = tokens + [best], probs + [prob], x + [best]
-    return tokens, probs, m
+    while m and len(tokens) < limit:
+        x = (context + tokens)[len(context) + len(tokens) - m:]
+        while len(tokens) < limit and (nxt := brute_next(seqs, x, depth)):
+            best = min(nxt, key=lambda t: (-nxt[t], t))
+            prob *= nxt[best] / sum(nxt.values())
+            if prob < min_prob:
+                return tokens, probs, first
+            tokens, probs, x = tokens + [best], probs + [prob], x + [best]
+        m = brute_match(seqs, context + tokens, max_match, depth)
+    return tokens, probs, first
 
 
 def random_seq(rng: random.Random, vocab: int, longest: int) -> list[int]:
@@ -144,6 +148,17 @@ def test_the_draft_grows_with_the_match():
     assert speculate(tree, [5, 1, 2], 15, 8, 1.0, 0.1).tokens == [3, 4, 6]  # "5 1 2": three
     assert speculate(tree, [5, 1, 2], 15, 2, 1.0, 0.1).tokens == [3, 4]  # at most γ
     assert speculate(tree, [9, 9], 15, 8, 1.0, 0.1).match_len == 0  # never seen: no candidate
+
+
+def test_a_loop_is_continued_past_one_period():
+    """Where the match's earlier occurrence runs into the end, context + draft is matched again."""
+    tree = SuffixTree(16)
+    tree.extend(0, [5, 7, 7, 7])
+    assert speculate(tree, [5, 7, 7, 7, 7], 10, 8, 1.0, 0.1).tokens == [7, 7]  # "7 7": two tokens
+    assert speculate(tree, [5, 7, 7, 7, 7], 10, 8, 3.0, 0.1).tokens == [7] * 6
+    tree = SuffixTree(16)
+    tree.extend(0, [1, 2, 3, 1, 2, 3])
+    assert speculate(tree, [1, 2, 3, 1, 2, 3, 1], 10, 8, 1.0, 0.1).tokens == [2, 3, 1, 2]  # "1 2 3 1"
 
 
 def test_the_draft_stops_where_the_estimated_probability_falls_below_the_minimum():
@@ -311,5 +326,5 @@ def test_sampled_rows_draw_what_the_batch_1_engine_draws(tiny_target, rule):
 def test_one_hot_q_under_sampling():
     drafter = SuffixDrafter(12, 4, 8)
     prop = drafter.propose(_state(drafter, [1, 2, 3, 1, 2, 3]), torch.tensor([1]), SamplingParams(temperature=0.7))
-    assert prop.tokens.tolist() == [[2, 3]]  # "1 2 3 1" went on with 2, 3
-    assert torch.equal(prop.probs[0], torch.nn.functional.one_hot(torch.tensor([2, 3]), 12).float())
+    assert prop.tokens.tolist() == [[2, 3, 1, 2]]  # "1 2 3 1" went on with 2, 3; the loop goes on
+    assert torch.equal(prop.probs[0], torch.nn.functional.one_hot(torch.tensor([2, 3, 1, 2]), 12).float())
