@@ -97,6 +97,13 @@ class TargetConfig:
     # as transformers loads the model; or any transformers attention implementation (sdpa, eager)
     attention: str = "auto"
     cache_dir: str = path_field("~/.cache/specline/targets")  # where built/converted targets are cached
+    # The target's step for batch-1 chains (plain decoding, the chain engine):
+    # fast = components.target.fast: a static KV slab and our own weight-streaming kernel, built
+    # from C source once per machine (under cache_dir); hf = the transformers forward; auto =
+    # fast for a float32 CPU target of a family it knows (Llama, Qwen3) on a CPU with AVX2 and a
+    # C compiler, except the tiny test fixture; hf elsewhere (docs/results.md has the measurements).
+    step: str = "auto"
+    static_len: int = 2048  # slots of the fast step's KV cache: the longest prompt + generation it serves
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
     prompts: PromptBankConfig = field(default_factory=PromptBankConfig)
 

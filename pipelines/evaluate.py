@@ -55,6 +55,7 @@ from components.evaluation import (
 from components.evaluation import report as rep
 from components.evaluation.assistant import ensure_embedded_assistant, load_assistant
 from components.target import load_target
+from components.target.fast import step_target
 from components.target.hf import resolve_target_path
 from components.tracking import Tracker
 from pipelines.cli import main
@@ -130,8 +131,11 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     target = load_target(dataclasses.replace(cfg.target, name_or_path=target_path), progress=False)
     prompts = eval_prompts(cfg.eval, target.tokenizer, Path(target_path) if Path(target_path).is_dir() else None)
     assistant, assistant_name = _assistant(cfg, target_path, target, methods)
-    ctx = EvalContext(target, cfg.eval, drafter=_drafter(cfg, upstream, target, methods), assistant=assistant,
-                      assistant_path=assistant_name)
+    drafter = _drafter(cfg, upstream, target, methods)
+    fast = step_target(target, cfg.target, taps=list(drafter.layer_ids) if drafter is not None else [],
+                       lines=lambda line: print(f"eval: {line}", flush=True))
+    ctx = EvalContext(target, cfg.eval, drafter=drafter, assistant=assistant, assistant_path=assistant_name,
+                      step=fast)
     tracker.log_params({f"eval.{k}": v for k, v in dataclasses.asdict(cfg.eval).items()}
                        | {"eval.target_path": target_path, "eval.assistant_path": assistant_name})
     report = compare_methods(ctx, methods, prompts)

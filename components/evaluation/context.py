@@ -39,6 +39,13 @@ class EvalContext:
     assistant: Any = None  # an HF causal LM with the target's tokenizer, for "hf_assisted"
     assistant_path: str | None = None  # where that assistant is (vLLM loads it: "vllm_draft_model")
     notes: dict[str, dict[str, Any]] = field(default_factory=dict)  # per method: γ, sizes, ...
+    # the target as batch-1 chains run it (plain decoding, the chain engine): the fast step of
+    # ``components.target.fast`` where ``target.step`` chose it, else ``target`` itself
+    step: Any = None
+
+    @property
+    def chain_target(self) -> Any:
+        return self.step if self.step is not None else self.target
 
     @property
     def sampling(self) -> SamplingParams:

@@ -1,6 +1,9 @@
 """The methods compared by the evaluation stage, one small factory each, in one registry.
 
-Ours (``components.engine``, timed by the engine itself, prefill included):
+Ours (``components.engine``, timed by the engine itself, prefill included). The batch-1 chains
+(``target_only``, ``drafter``, ``drafter_dloop``, ``prompt_lookup``, ``suffix``) run the target's
+fast step where ``target.step`` chose it (``EvalContext.chain_target``); the tree and batch
+engines run the transformers forward:
 
 * ``target_only``   -- plain decoding, one target pass per token: the reference every speedup
   and every lossless check is measured against;
@@ -72,13 +75,13 @@ def _from_engine(method: str, res: GenerationResult, drafting: bool) -> PromptRu
 
 def target_only(ctx: EvalContext) -> MethodFn:
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
-        res = target_only_generate(ctx.target, ids, n, ctx.sampling, seed, rule=ctx.ev.rule)
+        res = target_only_generate(ctx.chain_target, ids, n, ctx.sampling, seed, rule=ctx.ev.rule)
         return _from_engine("target_only", res, drafting=False)
     return run
 
 
 def _engine_method(ctx: EvalContext, name: str, drafter: Any, gamma: int | None, **loop: Any) -> MethodFn:
-    engine = SpeculativeEngine(ctx.target, drafter, rule=ctx.ev.rule, num_speculative_tokens=gamma, **loop)
+    engine = SpeculativeEngine(ctx.chain_target, drafter, rule=ctx.ev.rule, num_speculative_tokens=gamma, **loop)
     ctx.notes[name] = {"num_speculative_tokens": engine.settings.num_speculative_tokens, "rule": ctx.ev.rule, **loop}
 
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
@@ -185,7 +188,7 @@ def suffix(ctx: EvalContext) -> MethodFn:
     drafter = SuffixDrafter(ctx.target.vocab_size, ev.suffix_num_speculative_tokens, ev.suffix_max_tree_depth,
                             ev.suffix_max_spec_factor, ev.suffix_min_token_prob,
                             max_cached_responses=ev.suffix_max_cached_responses, device=ctx.target.device)
-    engine = SpeculativeEngine(ctx.target, drafter, rule=ev.rule)
+    engine = SpeculativeEngine(ctx.chain_target, drafter, rule=ev.rule)
     ctx.notes["suffix"] = {"num_speculative_tokens": engine.settings.num_speculative_tokens, "rule": ev.rule,
                            **settings}
 

@@ -1,0 +1,134 @@
+"""``StepTarget``: a ``Target`` whose batch-1 passes run the static-slab decoder of ``step.py``
+with the weight-streaming kernel of ``kernels/`` (``target.step: fast``).
+
+    target = load_target(cfg)
+    fast = step_target(target, cfg, taps=drafter.layer_ids)   # a StepTarget, or target itself
+    out = fast.forward(ids, layer_ids=drafter.layer_ids, use_cache=True)   # out.cache: StaticCache
+
+A decode step reads every weight once; the transformers forward on this kind of CPU runs at
+about 3.5x the time that takes (MKL's one-row product streams at half the memory's pace, a few
+rows cost up to twice one row, and per-op overhead adds more; docs/results.md). The fast step
+streams each weight row once for all the pass's rows (``kernels/rows_gemm.c``), keeps its KV
+cache in place (``StaticCache``) and runs fewer ops per layer (``StaticDecoder``).
+
+Passes the decoder does not serve (a batch, an attention mask, explicit position ids, an HF
+cache, taps outside ``taps``) go to the transformers forward, so a ``StepTarget`` is a drop-in
+``Target``: the chain engines and the plain baseline reach the fast path; the tree engine and
+the batch engine (which reorder and gather cache rows in HF caches) keep the transformers one.
+Knows the ``Target`` API and the kernel's loader; nothing about drafters or engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from components.config import TINY_TARGET, TargetConfig
+from components.target.hf import Target, TargetError, TargetOutput
+from components.target.kernels import KernelUnavailable, rows_gemm, why_unavailable
+from components.target.step import (
+    StaticCache,
+    StaticDecoder,
+    StepUnsupported,
+    causal_mask,
+    decoder_shape,
+)
+
+STEPS = ("auto", "fast", "hf")
+MAX_KERNEL_ROWS = 32  # passes with more rows (a prefill) take torch's GEMM: compute-bound, MKL's ground
+
+
+class StepTarget(Target):
+    """``target``'s model behind the static-slab decoder; ``gemm`` does its weight products."""
+
+    def __init__(self, target: Target, taps: Sequence[int] = (), capacity: int = 2048,
+                 gemm: Callable[[Tensor, Tensor], Tensor] | None = None):
+        super().__init__(target.model, target.tokenizer, target.name_or_path)
+        self.decoder = StaticDecoder(target.model, self.check_layer_ids(taps), capacity, gemm)
+        self.taps = self.decoder.taps
+        self.capacity = capacity
+
+    def new_cache(self) -> StaticCache:
+        return StaticCache(*self.decoder.new_slab(1))
+
+    def serves(self, input_ids: Tensor, attention_mask: Tensor | None, layer_ids: Sequence[int], cache: Any,
+               position_ids: Tensor | None) -> bool:
+        """Whether the static decoder runs this pass (else the transformers forward does)."""
+        return (input_ids.shape[0] == 1 and attention_mask is None and position_ids is None
+                and (cache is None or isinstance(cache, StaticCache)) and set(layer_ids) <= set(self.taps))
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, layer_ids: Sequence[int] = (),
+                cache: Any = None, use_cache: bool = False, position_ids: Tensor | None = None) -> TargetOutput:
+        if not self.serves(input_ids, attention_mask, layer_ids, cache, position_ids):
+            return super().forward(input_ids, attention_mask, layer_ids, cache, use_cache, position_ids)
+        if cache is None:
+            cache = self.new_cache()
+        count, start = input_ids.shape[1], cache.length
+        if start + count > self.capacity:
+            raise TargetError(f"target.static_len: a sequence of {start + count} tokens is past the fast step's "
+                              f"{self.capacity} cache slots; raise target.static_len (or set target.step: hf)")
+        pos = torch.arange(start, start + count, device=input_ids.device).unsqueeze(0)  # [1, T]
+        logits, taps, last = self.decoder(input_ids, pos, start, causal_mask(start, count, input_ids.device),
+                                          cache.k, cache.v)
+        cache.length = start + count
+        pick = [self.taps.index(i) for i in self.check_layer_ids(layer_ids)]
+        return TargetOutput(logits, taps[:, :, pick] if pick else None, last, cache)
+
+    __call__ = forward
+
+
+def step_wanted(cfg: TargetConfig, target: Target) -> tuple[bool, str]:
+    """(whether to run the fast step, why not) for ``target.step``: ``auto`` is fast where it is
+    declared able to run (a float32 CPU target of a known family, the kernel's CPU and compiler
+    present), the tiny test fixture excepted; ``fast`` makes every reason not to an error."""
+    if cfg.step not in STEPS:
+        raise TargetError(f"target.step: '{cfg.step}' is not one of {list(STEPS)}")
+    if cfg.step == "hf":
+        return False, "target.step: hf"
+    reasons = []
+    try:
+        decoder_shape(target.model)
+    except StepUnsupported as err:
+        reasons.append(f"{target.name_or_path}: {err}")
+    if target.device.type != "cpu" or target.dtype != torch.float32:
+        reasons.append(f"the kernel runs float32 on the CPU, the target is {target.dtype} on {target.device.type}")
+    why = why_unavailable()
+    if why:
+        reasons.append(why)
+    if reasons and cfg.step == "fast":
+        raise TargetError(f"target.step: fast, but {'; '.join(reasons)}; set target.step: hf")
+    if cfg.step == "auto" and cfg.name_or_path == TINY_TARGET:
+        reasons.append("the tiny test fixture (set target.step: fast to use it there)")
+    return not reasons, "; ".join(reasons)
+
+
+def step_target(target: Target, cfg: TargetConfig, taps: Sequence[int] = (),
+                lines: Callable[[str], None] | None = None) -> Target:
+    """``target`` behind the fast step (its kernel built under ``target.cache_dir`` once per
+    machine, about a second), or ``target`` itself where ``target.step`` says not to."""
+    wanted, why = step_wanted(cfg, target)
+    if not wanted:
+        if lines:
+            lines(f"target step: transformers ({why})")
+        return target
+    try:
+        kernel = rows_gemm(Path(cfg.cache_dir) / "kernels")
+    except KernelUnavailable as err:
+        if cfg.step == "fast":
+            raise TargetError(f"target.step: fast, but {err}") from None
+        if lines:
+            lines(f"target step: transformers ({err})")
+        return target
+
+    def gemm(x: Tensor, w: Tensor) -> Tensor:  # the kernel for a decode step's few rows, torch's beyond
+        rows = x.numel() // x.shape[-1]
+        return kernel.linear(x, w) if rows <= MAX_KERNEL_ROWS else torch.nn.functional.linear(x, w)
+
+    if lines:
+        lines(f"target step: fast (static KV cache of {cfg.static_len} slots, kernel {kernel.path.name})")
+    return StepTarget(target, taps, cfg.static_len, gemm)

@@ -1,0 +1,117 @@
+"""Kernels of our own, built from C source with the machine's compiler at first use.
+
+* ``rows_gemm.c`` -- y = x wᵀ for a few rows x (a decode step or a verify pass: 1..16 rows):
+  every weight row read once as one sequential stream, all rows' dot products done while it
+  is in L1 (AVX2 + FMA, OpenMP over weight rows). MKL's sgemm on this kind of CPU reads a
+  one-row product at about half the memory's pace and prices 2..8 rows far above one row
+  (docs/results.md, ``bench/target_step.py``); this kernel does neither.
+
+``RowsGemm.build(dir)`` compiles the source into ``dir`` once (keyed by a hash of the source and
+flags; written under a temporary name and renamed, so an interrupted build leaves nothing) and
+loads it with ctypes: plain C, no torch headers, so a build takes about a second. Whether it
+can run here is declared by the CPU (``torch.backends.cpu.get_cpu_capability``) and the
+presence of a C compiler, never by trying. Knows float32 row-major tensors; nothing of models.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("rows_gemm.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+VECTOR_CPUS = ("AVX2", "AVX512")  # torch's names for CPUs with AVX2 and FMA
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or run here; the message says why."""
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def why_unavailable() -> str | None:
+    """None where the kernel can be built and run here, else why not."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in VECTOR_CPUS:
+        return f"the CPU offers {capability}, the kernel needs AVX2 with FMA"
+    if compiler() is None:
+        return "no C compiler (gcc or $CC) to build it"
+    return None
+
+
+class RowsGemm:
+    """The built ``rows_gemm`` kernel: ``linear(x, w)`` = ``x @ w.T`` for float32 ``x`` [..., K]
+    and ``w`` [N, K] on the CPU, on ``threads`` threads (default: torch's)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        self._fn = lib.rows_gemm
+        self._fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._fn.restype = None
+
+    @classmethod
+    def build(cls, directory: Path) -> RowsGemm:
+        why = why_unavailable()
+        if why:
+            raise KernelUnavailable(why)
+        source = SOURCE.read_bytes()
+        key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+        path = directory / f"rows_gemm-{key}.so"
+        if not path.is_file():
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+            os.close(fd)
+            try:
+                done = subprocess.run([compiler(), *FLAGS, "-o", tmp, str(SOURCE)], check=False, capture_output=True,
+                                      text=True)
+                if done.returncode != 0:
+                    raise KernelUnavailable(f"building {SOURCE.name} failed: {done.stderr.strip()[:500]}")
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        return cls(ctypes.CDLL(str(path)), path)
+
+    def linear(self, x: Tensor, w: Tensor, threads: int | None = None) -> Tensor:  # [..., K], [N, K] → [..., N]
+        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or w.device.type != "cpu":
+            raise KernelUnavailable("rows_gemm takes float32 CPU tensors")
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        w = w.contiguous()
+        y = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
+        self._fn(flat.data_ptr(), w.data_ptr(), y.data_ptr(), flat.shape[0], flat.shape[1], w.shape[0],
+                 threads or torch.get_num_threads())
+        return y.view(*x.shape[:-1], w.shape[0])
+
+
+_built: RowsGemm | None = None  # the kernel the registered op calls (one per process)
+
+
+@torch.library.custom_op("specline::rows_gemm", mutates_args=())
+def rows_gemm_op(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w.T`` by the built kernel, as an op ``torch.compile`` keeps whole in its graph."""
+    if _built is None:
+        raise KernelUnavailable("specline::rows_gemm called before RowsGemm.build")
+    return _built.linear(x, w)
+
+
+@rows_gemm_op.register_fake
+def _(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+def rows_gemm(directory: Path) -> RowsGemm:
+    """The kernel built (or loaded) in ``directory``; ``specline::rows_gemm`` calls it from now on."""
+    global _built
+    if _built is None:
+        _built = RowsGemm.build(directory)
+    return _built

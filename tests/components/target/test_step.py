@@ -1,0 +1,145 @@
+"""The fast target step (``components.target.step``, ``fast``, ``kernels``): its kernel against
+torch's product, its decoder against the transformers forward, and greedy decoding through it
+token for token against the transformers target (float32), in the plain baseline and the chain
+engine with every registered drafter and the model-free ones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import components.drafters  # noqa: F401  (registers every family)
+from components.drafters.registry import DRAFTERS
+from components.engine import (
+    PromptLookupDrafter,
+    SpeculativeEngine,
+    SuffixDrafter,
+    target_only_generate,
+)
+from components.engine.core import crop_cache
+from components.evaluation.runner import NEAR_TIE
+from components.target.fast import StepTarget, step_target, step_wanted
+from components.target.hf import TargetError
+from components.target.kernels import RowsGemm, why_unavailable
+from components.target.step import StaticCache, causal_mask
+from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
+
+needs_kernel = pytest.mark.skipif(why_unavailable() is not None, reason=f"kernel: {why_unavailable()}")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory) -> RowsGemm:
+    return RowsGemm.build(tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.fixture(scope="module")
+def references(tiny_target) -> list[list[int]]:
+    """The transformers target's greedy continuations of the engine tests' prompts."""
+    return [target_only_generate(tiny_target, p, MAX_NEW).tokens for p in prompts(tiny_target)]
+
+
+@pytest.fixture(scope="module")
+def fast(tiny_target_cfg, tiny_target) -> StepTarget:
+    """The fixture target behind the fast step (kernel where this CPU runs it), taps 0 and 1."""
+    cfg = dataclasses.replace(tiny_target_cfg, step="fast" if why_unavailable() is None else "auto", static_len=256)
+    made = step_target(tiny_target, cfg, taps=(0, 1)) if cfg.step == "fast" else StepTarget(tiny_target, (0, 1), 256)
+    assert isinstance(made, StepTarget)
+    return made
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17])
+@pytest.mark.parametrize("k", [8, 37, 64, 100])
+def test_kernel_equals_torch(kernel, rows, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + k)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(45, k, generator=gen)
+    for threads in (1, 2):
+        torch.testing.assert_close(kernel.linear(x, w, threads), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert kernel.linear(x.view(1, rows, k), w).shape == (1, rows, 45)
+
+
+def test_decoder_equals_transformers_over_a_prefill_and_steps(tiny_target, fast):
+    """Prefill, then passes of 1..5 new tokens, each cropped back: logits, taps and last hidden
+    state as transformers computes them (float32)."""
+    ids = torch.tensor([prompts(tiny_target)[0] * 3], dtype=torch.long)[:, :40]
+    ref = tiny_target.forward(ids[:, :30], layer_ids=[1, 0], use_cache=True)
+    out = fast.forward(ids[:, :30], layer_ids=[1, 0], use_cache=True)
+    assert isinstance(out.cache, StaticCache) and out.cache.get_seq_length() == 30
+    for got, want in ((out.logits, ref.logits), (out.hidden, ref.hidden), (out.last_hidden, ref.last_hidden)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for count in range(1, 6):
+        r = tiny_target.forward(ids[:, 30:30 + count], layer_ids=[0], cache=ref.cache, use_cache=True)
+        o = fast.forward(ids[:, 30:30 + count], layer_ids=[0], cache=out.cache, use_cache=True)
+        torch.testing.assert_close(o.logits, r.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(o.hidden, r.hidden, rtol=1e-4, atol=1e-4)
+        crop_cache(ref.cache, 30), crop_cache(out.cache, 30)
+        assert out.cache.get_seq_length() == 30
+
+
+def test_passes_it_does_not_serve_go_to_transformers(tiny_target, fast):
+    ids = torch.tensor([prompts(tiny_target)[1][:6]] * 2, dtype=torch.long)
+    out = fast.forward(ids, use_cache=True)  # a batch of two: an HF cache
+    assert not isinstance(out.cache, StaticCache)
+    torch.testing.assert_close(out.logits, tiny_target.forward(ids).logits)
+    assert not isinstance(fast.forward(ids[:1], layer_ids=[2], use_cache=True).cache, StaticCache)  # taps outside
+
+
+def test_a_sequence_past_the_static_cache_is_a_clear_error(tiny_target, fast):
+    ids = torch.zeros(1, fast.capacity + 1, dtype=torch.long)
+    with pytest.raises(TargetError, match="target.static_len"):
+        fast.forward(ids, use_cache=True)
+
+
+def test_causal_mask_reads_the_slots_up_to_each_token():
+    assert causal_mask(5, 1, torch.device("cpu")) is None
+    mask = causal_mask(2, 3, torch.device("cpu"))[0, 0]  # [3, 5]
+    assert mask.tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]
+
+
+def _same_or_near_tie(target, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """Token for token; a flip is allowed only where the eval's near-tie rule names it (said)."""
+    if got == want:
+        return
+    at = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    logits = target.forward(torch.tensor([prompt + want[:at]])).logits[0, -1]
+    margin = float(logits[want[at]] - logits[got[at]])
+    assert abs(margin) < NEAR_TIE, f"not lossless at token {at}: margin {margin} is no near-tie"
+    print(f"near-tie flip at token {at} (margin {margin:.2e}); the rest is not compared")
+
+
+def test_plain_decoding_through_it_is_the_targets(tiny_target, fast, references):
+    for prompt, ref in zip(prompts(tiny_target), references):
+        _same_or_near_tie(tiny_target, prompt, target_only_generate(fast, prompt, MAX_NEW).tokens, ref)
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS) + ["prompt_lookup", "suffix"])
+def test_chain_engine_through_it_is_lossless(tiny_target, fast, references, name):
+    if name == "prompt_lookup":
+        drafter = PromptLookupDrafter(tiny_target.vocab_size, 4)
+    elif name == "suffix":
+        drafter = SuffixDrafter(tiny_target.vocab_size, 8)
+    else:
+        drafter = random_drafter(tiny_target, name)
+    taps = tuple(drafter.layer_ids)
+    target = fast if set(taps) <= set(fast.taps) else StepTarget(tiny_target, taps, 256, fast.decoder.gemm)
+    engine = SpeculativeEngine(target, drafter, rule="greedy", num_speculative_tokens=4)
+    for prompt, ref in zip(prompts(tiny_target), references):
+        out = engine.generate(prompt, MAX_NEW)
+        _same_or_near_tie(tiny_target, prompt, out.tokens, ref)
+        assert out.target_forwards == out.rounds + 1
+
+
+def test_step_setting(tiny_target_cfg, tiny_target):
+    auto = step_wanted(tiny_target_cfg, tiny_target)
+    assert auto[0] is False and "tiny test fixture" in auto[1]
+    assert step_target(tiny_target, dataclasses.replace(tiny_target_cfg, step="hf")) is tiny_target
+    with pytest.raises(TargetError, match="target.step: 'fastest'"):
+        step_wanted(dataclasses.replace(tiny_target_cfg, step="fastest"), tiny_target)
+    bf16 = type(tiny_target)(tiny_target.model.to(torch.bfloat16), tiny_target.tokenizer, tiny_target.name_or_path)
+    try:
+        with pytest.raises(TargetError, match="runs float32"):
+            step_wanted(dataclasses.replace(tiny_target_cfg, step="fast"), bf16)
+    finally:
+        tiny_target.model.to(torch.float32)
