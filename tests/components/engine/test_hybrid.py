@@ -22,6 +22,7 @@ from components.engine import (
     SpeculativeEngine,
     SuffixDrafter,
     adaptive_engine,
+    chain,
     resolve_settings,
     target_only_generate,
 )
@@ -130,6 +131,36 @@ def test_greedy_is_the_targets_output_in_the_batch_engine(tiny_target, greedy_re
     assert [r.tokens for r in results] == greedy_refs
     assert all(r.target_forwards == r.rounds + 1 for r in results)
     assert draft.drafted_by[SUFFIX] > 0 and draft.drafted_by[MODEL] > 0
+
+
+@pytest.mark.parametrize("mode", ["plain", "dloop+carryover"])
+def test_the_trained_drafter_reads_the_targets_states_after_either_kind_of_round(tiny_target, references, mode,
+                                                                              monkeypatch):
+    """After every round, suffix or model, the trained side's state is what consuming the
+    committed tokens with the target's own hidden states gives (carry rows aside)."""
+    settings = MODES[mode]
+    trained = dspark(tiny_target, carryover=settings.get("carryover", False))
+    draft = hybrid(tiny_target, full(prompts(tiny_target), references), trained, wrong_last=True)
+    states = []
+
+    def recording_accept(*args, accept=chain.accept_chain):
+        new = accept(*args)
+        states.append((new.length, new.draft_state))
+        return new
+
+    monkeypatch.setattr(chain, "accept_chain", recording_accept)
+    prompt = prompts(tiny_target)[0]
+    out = SpeculativeEngine(tiny_target, draft, **settings).generate(prompt, MAX_NEW)
+    ids = torch.tensor([prompt + out.tokens])
+    hidden = tiny_target.forward(ids, layer_ids=trained.layer_ids).hidden
+    for length, state in states:
+        want = trained.consume(trained.init_state(1), ids[:, :length - 1], hidden[:, :length - 1])
+        assert state.trained.length == state.suffix.length == length - 1
+        assert state.suffix.tokens == ids[0, :length - 1].tolist()
+        for (k, v), (k0, v0) in zip(state.trained.kv, want.kv):
+            torch.testing.assert_close(k, k0, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v, v0, rtol=1e-4, atol=1e-4)
+    assert draft.drafted_by[SUFFIX] > 0 and draft.drafted_by[MODEL] > 0 and len(states) == out.rounds
 
 
 def test_the_batch_engine_drafts_what_the_batch_1_engine_drafts(tiny_target, greedy_refs):
