@@ -45,6 +45,9 @@ cap reads the acceptance seen over all rows, both kinds of round mixed. The hybr
 at most a model round's drafting plus a suffix lookup: a round profile measured with the trained
 drafter prices them (the policy corrects what it plays from measured round times).
 
+Token trees (``tree``, ddtree): a suffix round's one-hot marginals make its tree the suffix
+chain itself; causal trees are refused (no tree head is declared).
+
 Capabilities (``drafters.capabilities``): ``OWN_CONTEXT`` always (suffix rounds continue over
 stages; a trained drafter that does not declare it gets no later stages: its proposals' states
 are dropped, so the engine never asks it for ``consume_own``); ``CARRYOVER``,

@@ -21,6 +21,7 @@ from components.engine import (
     HybridDrafter,
     SpeculativeEngine,
     SuffixDrafter,
+    TreeEngine,
     adaptive_engine,
     chain,
     resolve_settings,
@@ -217,6 +218,19 @@ def test_the_cap_bounds_suffix_rounds_as_model_rounds(tiny_target, greedy_refs, 
     assert max(drafted, default=0) <= cap and (cap == 0) == (sum(draft.drafted_by.values()) == 0)
     if cap == 6:  # past one block: the suffix's stages (and the model's)
         assert draft.drafted_by[SUFFIX] > 0 and max(drafted) == 6
+
+
+def test_token_trees_are_lossless(tiny_target, references, greedy_refs):
+    """DDTree rounds (batch 1, and the batch engine's lone row): a suffix round's one-hot
+    marginals make its tree the suffix chain; the model's rounds branch as before."""
+    draft = hybrid(tiny_target, full(prompts(tiny_target), references), wrong_last=True)
+    engine = TreeEngine(tiny_target, draft, budget=8)
+    assert [engine.generate(p, MAX_NEW).tokens for p in prompts(tiny_target)] == references
+    assert draft.drafted_by[SUFFIX] > 0 and draft.drafted_by[MODEL] > 0
+    reqs = requests(tiny_target)
+    draft = hybrid(tiny_target, full([r.prompt_ids for r in reqs], greedy_refs), wrong_last=True)
+    results = BatchEngine(tiny_target, draft, max_batch_size=2, tree_budget=8).generate(reqs)
+    assert [r.tokens for r in results] == greedy_refs
 
 
 # ----------------------------------------------------------------------------- stages and capabilities
