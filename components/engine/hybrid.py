@@ -11,7 +11,8 @@ target's hidden states at its ``layer_ids``, which are the hybrid's) and a
                drafter's own γ_s tokens, from the request's tree or the global one) and its
                score, Σ of its tokens' estimated probabilities (the acceptance length it
                expects); score ≥ ``threshold`` → the suffix draft (one-hot q), else the trained
-               drafter's proposal. Threshold 0: the suffix whenever it has a match; ∞: never.
+               drafter's proposal. Threshold 0: the suffix whenever it has a match; ∞: never
+               (the suffix drafter's own ``min_score`` is not used: the threshold replaces it).
     consume -- both sides take every committed token whichever drafted: the trained drafter
                the verified positions' target hidden states (its context is the target's, as
                if it had drafted every round), the suffix side the ids.
@@ -41,9 +42,10 @@ the stages for at most that many drafts in all, whoever drafts: suffix drafts ar
 the model's, because the cap prices the verify pass's width and the round's time, which do not
 depend on who drafted; a cap of 0 (a plain round) does not call the hybrid at all. Suffix
 proposals carry no confidences (as ``SuffixDrafter``'s), so after a suffix round that row's next
-cap reads the acceptance seen over all rows, both kinds of round mixed. The hybrid's rounds cost
-at most a model round's drafting plus a suffix lookup: a round profile measured with the trained
-drafter prices them (the policy corrects what it plays from measured round times).
+cap reads the acceptance seen over all rows, both kinds of round mixed. A suffix round costs
+less to draft than a model round (a lookup, no drafter pass); the hybrid's round profile
+(``adaptive_engine``) times whatever mix its synthetic requests draw, and the policy prices the
+(batch, cap) it has played at the round times it measured.
 
 Token trees (``tree``, ddtree): a suffix round's one-hot marginals make its tree the suffix
 chain itself; causal trees are refused (no tree head is declared).
