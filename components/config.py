@@ -243,7 +243,7 @@ class EvalConfig:
     """Stage ``eval``: τ, acceptance by position, tokens/s and speedup of every method in
     ``methods`` on the same held-out prompts, in the same process (components/evaluation/)."""
 
-    # target_only | drafter | drafter_dloop | drafter_tree (opt-in) | prompt_lookup | suffix (opt-in; our engine) |
+    # target_only | drafter | drafter_dloop | drafter_tree (opt-in) | prompt_lookup | suffix, hybrid (opt-in; our engine) |
     # hf_generate | drafter_adaptive (as the serve stage drafts: adaptive cap, DLoop stages) | hf_prompt_lookup |
     # hf_assisted (transformers' generate, the peers) | vllm_* (vLLM, opt-in, see vllm_python
     # below). Speedups are against target_only.
@@ -285,6 +285,11 @@ class EvalConfig:
     suffix_max_spec_factor: float = 1.0  # a match of m tokens drafts at most factor·m
     suffix_min_token_prob: float = 0.1  # drafts while the estimated probability (Π count/total) stays ≥ this
     suffix_max_cached_responses: int = 10000  # earlier responses in the global tree, oldest out first (0: none)
+    # hybrid (components/engine/hybrid.py): per round the suffix side (the suffix_* settings above) when its
+    # candidate's score (Σ estimated probabilities: the acceptance length it expects) is ≥ this, else the trained
+    # drafter. null: γ of the trained drafter, Arctic Inference's rule (the suffix must expect as many accepted
+    # tokens as the model drafts); 0: the suffix whenever it has a match; .inf: never (= drafter).
+    hybrid_suffix_threshold: float | None = None
     # hf_assisted's assistant: "auto" = for the embedded target, a smaller LM pretrained on its
     # training split with its tokenizer (built once, cached beside the target); else an HF
     # directory or hub id with the target's tokenizer; null = none (hf_assisted then refused).

@@ -14,6 +14,8 @@
 * ``model_free`` -- oracle, target-as-drafter and prompt-lookup drafters behind the same protocol;
 * ``suffix``     -- suffix decoding (SuffixDecoding): a model-free drafter over suffix trees of the
   request and of earlier responses (``SuffixDrafter.observe``);
+* ``hybrid``     -- ``HybridDrafter``: per request and round, the suffix draft when its score
+  clears a threshold, else a trained drafter's, which consumes the target's states every round;
 * ``adaptive/``  -- the draft cap per round: fixed, or adaptive (DSpark-style, load-aware) over a
   round profile; the set-up the serve and eval stages share (``adaptive_engine``);
 * ``cache/``     -- the target's KV caches: preallocated layers (``slab``), a batch's ragged cache
@@ -40,6 +42,7 @@ from components.engine.adaptive.setup import (
 )
 from components.engine.batch import AsyncEngine, BatchEngine, EngineError, Request, StepOutput
 from components.engine.core import GenerationResult
+from components.engine.hybrid import HybridDrafter
 from components.engine.model_free import OracleDrafter, PromptLookupDrafter, TargetDrafter
 from components.engine.rules import RULES
 from components.engine.settings import (
@@ -65,6 +68,7 @@ __all__ = [
     "EngineSettings",
     "FixedDraftLength",
     "GenerationResult",
+    "HybridDrafter",
     "OracleDrafter",
     "PromptLookupDrafter",
     "Request",

@@ -39,10 +39,13 @@ class TokenState:
 
 
 def one_hot_proposal(tokens: list[int], vocab_size: int, device: torch.device) -> Proposal:
-    """A proposal [1, G] whose q is one-hot at each token (logits 0 / -inf); G = 0: nothing."""
+    """A proposal [1, G] whose q is one-hot at each token (logits 0 / -inf, float32); G = 0:
+    nothing. Written by scatter into filled buffers: the same values as ``F.one_hot(ids,
+    V).float()`` and its log, without the int64 [1, G, V] tensor and the log over it."""
     ids = torch.tensor([tokens], dtype=torch.long, device=device).view(1, len(tokens))  # [1, G]
-    probs = torch.nn.functional.one_hot(ids, vocab_size).float()  # [1, G, V]
-    logits = torch.log(probs)  # 0 at the token, -inf elsewhere
+    at = ids.unsqueeze(-1)  # [1, G, 1]
+    probs = torch.zeros(1, len(tokens), vocab_size, device=device).scatter_(-1, at, 1.0)  # [1, G, V]
+    logits = torch.full((1, len(tokens), vocab_size), float("-inf"), device=device).scatter_(-1, at, 0.0)
     return Proposal(ids, logits, probs, None)
 
 

@@ -390,13 +390,17 @@ class SuffixDrafter:
                 generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
         """At most γ tokens after ``last_token`` [1]; an empty proposal (tokens [1, 0]) without a
         match or below ``min_score``."""
-        gamma = num_speculative_tokens or self.num_speculative_tokens
+        best = self.candidate(state, last_token, num_speculative_tokens or self.num_speculative_tokens)
+        tokens = best.tokens if best.tokens and best.score >= self.min_score else []
+        return one_hot_proposal(tokens, self.vocab_size, self.device)
+
+    def candidate(self, state: SuffixState, last_token: Tensor, gamma: int) -> Candidate:
+        """The best candidate of at most ``gamma`` tokens after ``last_token`` [1] (``speculate``
+        over the committed tail that fits a match), before ``min_score`` is applied."""
         tree = self._tree(state)
         committed = tree.seqs.get(REQUEST, [])
         context = committed[max(0, state.length - self.max_match + 1):state.length] + [int(last_token[0])]
-        best = self.speculate(tree, context, gamma)
-        tokens = best.tokens if best.tokens and best.score >= self.min_score else []
-        return one_hot_proposal(tokens, self.vocab_size, self.device)
+        return self.speculate(tree, context, gamma)
 
     def speculate(self, request: SuffixTree, context: list[int], gamma: int) -> Candidate:
         """The request tree's candidate, or the global tree's when it scores higher."""

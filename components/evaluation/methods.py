@@ -1,7 +1,7 @@
 """The methods compared by the evaluation stage, one small factory each, in one registry.
 
 Ours (``components.engine``, timed by the engine itself, prefill included). The batch-1 chains
-(``target_only``, ``drafter``, ``drafter_dloop``, ``prompt_lookup``, ``suffix``) run the target's
+(``target_only``, ``drafter``, ``drafter_dloop``, ``prompt_lookup``, ``suffix``, ``hybrid``) run the target's
 fast step where ``target.step`` chose it (``EvalContext.chain_target``); the tree and batch
 engines run the transformers forward:
 
@@ -15,6 +15,9 @@ engines run the transformers forward:
 * ``suffix``        -- the speculative engine with suffix decoding (``SuffixDrafter``, opt-in): the
   request's own suffix tree beside a global one of the responses before it, so it learns over
   the prompts in turn as a server over its requests (its τ depends on their order).
+* ``hybrid``        -- the trained drafter and suffix decoding (``HybridDrafter``, opt-in): per round
+  the suffix draft when its score clears ``eval.hybrid_suffix_threshold``, else the drafter's, at
+  the ``drafter`` method's settings; learning the responses as ``suffix`` does.
 
 Peers (transformers' ``generate`` on the same target object, see ``hf.py``):
 
@@ -47,6 +50,7 @@ from components.engine import (
     RULES,
     TREE_BUILDERS,
     GenerationResult,
+    HybridDrafter,
     PromptLookupDrafter,
     Request,
     SpeculativeEngine,
@@ -178,28 +182,58 @@ def prompt_lookup(ctx: EvalContext) -> MethodFn:
     return run
 
 
-def suffix(ctx: EvalContext) -> MethodFn:
-    """Suffix decoding; after each generation the response joins the global tree (its cost
-    counted in the run's seconds, as a server pays it), and a prompt run again (the warmup's)
-    first drops its earlier response, so that no prompt is drafted from its own answer."""
+def _suffix_drafter(ctx: EvalContext) -> tuple[SuffixDrafter, dict[str, Any]]:
+    """Suffix decoding as the ``suffix_*`` settings say, and those settings for the notes."""
     ev = ctx.ev
     settings = {"max_tree_depth": ev.suffix_max_tree_depth, "max_spec_factor": ev.suffix_max_spec_factor,
                 "min_token_prob": ev.suffix_min_token_prob, "max_cached_responses": ev.suffix_max_cached_responses}
     drafter = SuffixDrafter(ctx.target.vocab_size, ev.suffix_num_speculative_tokens, ev.suffix_max_tree_depth,
                             ev.suffix_max_spec_factor, ev.suffix_min_token_prob,
                             max_cached_responses=ev.suffix_max_cached_responses, device=ctx.target.device)
-    engine = SpeculativeEngine(ctx.chain_target, drafter, rule=ev.rule)
-    ctx.notes["suffix"] = {"num_speculative_tokens": engine.settings.num_speculative_tokens, "rule": ev.rule,
-                           **settings}
+    return drafter, settings
 
+
+def _learning(ctx: EvalContext, name: str, engine: SpeculativeEngine, drafter: SuffixDrafter | HybridDrafter) -> MethodFn:
+    """``engine``'s runs, each response then joining the drafter's global tree (its cost counted in
+    the run's seconds, as a server pays it); a prompt run again (the warmup's) first drops its
+    earlier response, so that no prompt is drafted from its own answer."""
     def run(ids: list[int], n: int, seed: int) -> PromptRun:
         drafter.forget(tuple(ids))
-        out = _from_engine("suffix", engine.generate(ids, n, ctx.sampling, seed), drafting=True)
+        out = _from_engine(name, engine.generate(ids, n, ctx.sampling, seed), drafting=True)
         clock = time.perf_counter()
         drafter.observe(out.tokens, key=tuple(ids))
         out.seconds += time.perf_counter() - clock
         return out
     return run
+
+
+def suffix(ctx: EvalContext) -> MethodFn:
+    """Suffix decoding, learning each response in turn (``_learning``)."""
+    drafter, settings = _suffix_drafter(ctx)
+    engine = SpeculativeEngine(ctx.chain_target, drafter, rule=ctx.ev.rule)
+    ctx.notes["suffix"] = {"num_speculative_tokens": engine.settings.num_speculative_tokens, "rule": ctx.ev.rule,
+                           **settings}
+    return _learning(ctx, "suffix", engine, drafter)
+
+
+def hybrid(ctx: EvalContext) -> MethodFn:
+    """The trained drafter at the ``drafter`` method's settings (γ, carryover) beside suffix decoding
+    (the ``suffix`` method's), per round the suffix draft when its score is ≥
+    ``eval.hybrid_suffix_threshold`` (None: γ, Arctic Inference's rule), else the trained
+    drafter's (``HybridDrafter``); learning each response as ``suffix`` does. Here a suffix round
+    drafts at most γ (one stage, as the drafter's rounds). The notes count the rounds each side
+    drafted, the warmup's included."""
+    ev, trained = ctx.ev, _trained(ctx, "hybrid")
+    settings = resolve_settings(trained, ev.num_speculative_tokens, carryover=ev.carryover)
+    gamma = settings.num_speculative_tokens
+    threshold = float(gamma if ev.hybrid_suffix_threshold is None else ev.hybrid_suffix_threshold)
+    suffix_side, suffix_settings = _suffix_drafter(ctx)
+    drafter = HybridDrafter(trained, suffix_side, threshold)
+    engine = SpeculativeEngine(ctx.chain_target, drafter, rule=ev.rule, settings=settings)
+    ctx.notes["hybrid"] = {"num_speculative_tokens": gamma, "rule": ev.rule, "carryover": ev.carryover,
+                           "suffix_threshold": threshold, "suffix_num_speculative_tokens": ev.suffix_num_speculative_tokens,
+                           **suffix_settings, "rounds_by_side": drafter.drafted_by}
+    return _learning(ctx, "hybrid", engine, drafter)
 
 
 def hf_plain(ctx: EvalContext) -> MethodFn:
@@ -242,6 +276,7 @@ METHODS: dict[str, Method] = {
     "drafter_tree": Method(build=drafter_tree, needs_drafter=True),
     "prompt_lookup": Method(build=prompt_lookup),
     "suffix": Method(build=suffix),
+    "hybrid": Method(build=hybrid, needs_drafter=True),
     "hf_generate": Method(build=hf_plain, peer="hf"),
     "hf_prompt_lookup": Method(build=hf_prompt_lookup, peer="hf"),
     "hf_assisted": Method(build=hf_assisted, peer="hf", needs_assistant=True),
@@ -284,7 +319,7 @@ def check_methods(ev: EvalConfig) -> list[str]:
 
 
 def _check_suffix(ev: EvalConfig) -> None:
-    """The suffix method's settings in range (ConfigErrors naming the key)."""
+    """The suffix and hybrid methods' settings in range (ConfigErrors naming the key)."""
     if not 1 <= ev.suffix_num_speculative_tokens < ev.suffix_max_tree_depth:
         raise ConfigError(f"eval.suffix_max_tree_depth: must exceed eval.suffix_num_speculative_tokens ≥ 1 (a match "
                           f"leaves room for a whole draft in the tree); got {ev.suffix_max_tree_depth} and "
@@ -296,6 +331,10 @@ def _check_suffix(ev: EvalConfig) -> None:
     if ev.suffix_max_cached_responses < 0:
         raise ConfigError(f"eval.suffix_max_cached_responses: must be ≥ 0, 0 for no global tree "
                           f"(got {ev.suffix_max_cached_responses})")
+    threshold = ev.hybrid_suffix_threshold
+    if threshold is not None and not threshold >= 0:  # NaN too
+        raise ConfigError(f"eval.hybrid_suffix_threshold: must be ≥ 0 in suffix score units (Σ estimated "
+                          f"probabilities), .inf for never, null for γ (got {threshold})")
 
 
 def exact_methods(ev: EvalConfig, methods: list[str]) -> set[str]:

@@ -17,7 +17,7 @@ from components.engine import PromptLookupDrafter, SpeculativeEngine, target_onl
 from components.engine.batch import BatchEngine, Request
 from components.engine.chain import commit_round, draft_chain
 from components.engine.core import GenerationResult, SequenceState, new_randomness
-from components.engine.model_free import TokenState
+from components.engine.model_free import TokenState, one_hot_proposal
 from components.engine.rules import get_rule
 from components.engine.settings import EngineSettings
 from components.spec.sampling import SamplingParams
@@ -55,6 +55,16 @@ def test_prompt_lookup_proposes_nothing_without_a_match():
     found = lookup.propose(TokenState(4, [1, 2, 3, 9]), torch.tensor([1]))  # "1" was followed by 2, 3, 9
     assert found.tokens.tolist() == [[2, 3, 9, 1]]
     assert lookup.propose(TokenState(4, [1, 2, 3, 9]), torch.tensor([1]), num_speculative_tokens=2).tokens.tolist() == [[2, 3]]
+
+
+@pytest.mark.parametrize("tokens", [[], [5], [3, 3, 0, 11], list(range(12))])
+def test_one_hot_proposal_is_the_one_hot_construction(tokens):
+    """The scatter construction gives exactly ``F.one_hot(ids, V).float()`` and its log."""
+    prop = one_hot_proposal(tokens, 12, torch.device("cpu"))
+    ids = torch.tensor([tokens], dtype=torch.long).view(1, len(tokens))
+    probs = torch.nn.functional.one_hot(ids, 12).float()  # [1, G, V]
+    assert torch.equal(prop.tokens, ids) and prop.probs.dtype == prop.logits.dtype == torch.float32
+    assert torch.equal(prop.probs, probs) and torch.equal(prop.logits, torch.log(probs))
 
 
 # ----------------------------------------------------------------------------- counting

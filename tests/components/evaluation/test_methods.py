@@ -40,7 +40,7 @@ def _ctx(tiny_target, drafter, **ev) -> EvalContext:
 
 
 def test_registry_says_what_each_method_needs_and_where_it_runs():
-    assert needs_drafter(["target_only", "drafter_tree"]) and needs_drafter(["vllm_drafter"])
+    assert needs_drafter(["target_only", "drafter_tree"]) and needs_drafter(["vllm_drafter"]) and needs_drafter(["hybrid"])
     assert not needs_drafter(["target_only", "prompt_lookup", "suffix", "hf_assisted", "vllm_ngram"])
     assert needs_assistant(["hf_assisted"]) and needs_assistant(["vllm_draft_model"])
     assert not needs_assistant(["drafter", "hf_prompt_lookup", "vllm_generate"])
@@ -102,6 +102,39 @@ def test_suffix_is_lossless_and_never_drafts_a_prompt_from_its_own_answer(tiny_t
     rerun(prompt, NEW, 0)
     second = rerun(prompt, NEW, 0)
     assert second.tokens == fresh.tokens and (second.accepted, second.drafted) == (fresh.accepted, fresh.drafted)
+
+
+@pytest.mark.parametrize("threshold, carryover", [(None, False), (0.0, True)])
+def test_hybrid_is_lossless_learns_responses_and_counts_its_sides(tiny_target, eval_prompt_list, threshold, carryover):
+    """The trained drafter beside suffix decoding: the target's greedy output; the threshold
+    defaults to γ; each response joins the global tree, and a prompt run again drafts as a fresh
+    method's first run (its own answer dropped first)."""
+    ctx = _ctx(tiny_target, _dspark(tiny_target, carryover=carryover), methods=["target_only", "hybrid"],
+               suffix_num_speculative_tokens=4, suffix_max_tree_depth=16, hybrid_suffix_threshold=threshold,
+               carryover=carryover)
+    report = compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list)
+    notes = report.summaries["hybrid"].extra
+    assert report.failures == [] and report.summaries["hybrid"].lossless is True
+    assert notes["suffix_threshold"] == (4.0 if threshold is None else threshold) and notes["carryover"] is carryover
+    assert sum(notes["rounds_by_side"].values()) == sum(len(r.accepted) for r in report.runs["hybrid"])
+    prompt = list(eval_prompt_list[0].input_ids)
+    fresh = METHODS["hybrid"].build(ctx)(prompt, NEW, 0)
+    rerun = METHODS["hybrid"].build(ctx)
+    rerun(prompt, NEW, 0)
+    second = rerun(prompt, NEW, 0)
+    assert second.tokens == fresh.tokens and (second.accepted, second.drafted) == (fresh.accepted, fresh.drafted)
+
+
+def test_hybrid_needs_the_trained_drafter():
+    with pytest.raises(ConfigError, match=r"eval\.drafter_path: method 'hybrid' needs a trained drafter"):
+        METHODS["hybrid"].build(EvalContext(None, EvalConfig(methods=["hybrid"])))
+
+
+@pytest.mark.parametrize("value", [-0.5, float("nan")])
+def test_hybrid_threshold_out_of_range_is_a_config_error(value):
+    with pytest.raises(ConfigError, match=r"eval\.hybrid_suffix_threshold"):
+        check_methods(EvalConfig(methods=["target_only", "hybrid"], hybrid_suffix_threshold=value))
+    check_methods(EvalConfig(methods=["target_only", "hybrid"], hybrid_suffix_threshold=float("inf")))
 
 
 @pytest.mark.parametrize("key, value", [("suffix_max_tree_depth", 16), ("suffix_min_token_prob", 1.5),
