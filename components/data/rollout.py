@@ -132,12 +132,15 @@ class Roller:
 
     def __init__(self, target_cfg: TargetConfig, data_cfg: DataConfig, meta: RecordMeta):
         from components.target import load_target
+        from components.target.fast import stream_linears
         from components.target.tokenizer import stop_token_ids
 
         if data_cfg.torch_threads > 0:
             torch.set_num_threads(data_cfg.torch_threads)
         self.cfg, self.meta = data_cfg, meta
         self.target = load_target(target_cfg, progress=False)
+        if data_cfg.backend == "transformers":  # its decode steps: a few rows a product
+            stream_linears(self.target, target_cfg)
         tok = self.target.tokenizer
         self.stop_ids = [i for i in stop_token_ids(tok) if i is not None and i >= 0] or [tok.eos_token_id]
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.stop_ids[0]

@@ -42,6 +42,7 @@ from components.engine import (
 from components.serving.fallback import GuardedDrafter
 from components.serving.provenance import DrafterSource
 from components.target import load_target
+from components.target.fast import stream_linears
 
 
 @dataclass
@@ -62,6 +63,7 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
     if sc.torch_threads > 0:
         torch.set_num_threads(sc.torch_threads)
     target = load_target(dataclasses.replace(target_cfg, name_or_path=target_path), progress=False)
+    streamed = stream_linears(target, target_cfg)  # the batch engine keeps the transformers forward
     drafter = _load(source, target)
     stages = _loop_stages(sc, drafter)
     guarded = GuardedDrafter(drafter, target.vocab_size) if drafter is not None else None
@@ -73,7 +75,8 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
                 "carryover": drafting.carryover, "adaptive": False, "round_profile": None,
                 "tree_budget": drafting.tree_budget, "tree_builder": sc.tree_builder, "sampled_rule": sc.sampled_rule,
                 "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
-                "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device)}
+                "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
+                "streamed_linears": streamed}
     parts = EngineParts(target, guarded, engine, settings, 0.0, drafting)
     if adapt_now:
         adapt(parts, sc)

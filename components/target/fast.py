@@ -46,9 +46,9 @@ class StepTarget(Target):
     """``target``'s model behind the static-slab decoder; ``gemm`` does its weight products."""
 
     def __init__(self, target: Target, taps: Sequence[int] = (), capacity: int = 2048,
-                 gemm: Callable[[Tensor, Tensor], Tensor] | None = None):
+                 gemm: Callable[[Tensor, Tensor], Tensor] | None = None, kernels: Any = None):
         super().__init__(target.model, target.tokenizer, target.name_or_path)
-        self.decoder = StaticDecoder(target.model, self.check_layer_ids(taps), capacity, gemm)
+        self.decoder = StaticDecoder(target.model, self.check_layer_ids(taps), capacity, gemm, kernels)
         self.taps = self.decoder.taps
         self.capacity = capacity
 
@@ -131,4 +131,38 @@ def step_target(target: Target, cfg: TargetConfig, taps: Sequence[int] = (),
 
     if lines:
         lines(f"target step: fast (static KV cache of {cfg.static_len} slots, kernel {kernel.path.name})")
-    return StepTarget(target, taps, cfg.static_len, gemm)
+    return StepTarget(target, taps, cfg.static_len, gemm, kernel)
+
+
+class StreamingLinear(torch.nn.Linear):
+    """An ``nn.Linear`` (no bias, float32, CPU) whose products of a few rows, outside autograd,
+    run the weight-streaming kernel; larger or differentiable ones run torch's."""
+
+    kernel: Any = None  # a kernels.RowsGemm, set per module by ``stream_linears``
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() // x.shape[-1] <= MAX_KERNEL_ROWS and not torch.is_grad_enabled() and x.dtype == torch.float32:
+            return self.kernel.linear(x, self.weight)
+        return super().forward(x)
+
+
+def stream_linears(target: Target, cfg: TargetConfig, lines: Callable[[str], None] | None = None) -> int:
+    """Where ``target.step`` chose the fast step: every bias-free linear layer of ``target``'s
+    model becomes a ``StreamingLinear`` (for engines that keep the transformers forward: the batch
+    engine that serves); the number changed (0 where not chosen). In place, for the process."""
+    wanted, why = step_wanted(cfg, target)
+    try:
+        kernel = rows_gemm(Path(cfg.cache_dir) / "kernels") if wanted else None
+    except KernelUnavailable as err:
+        if cfg.step == "fast":
+            raise TargetError(f"target.step: fast, but {err}") from None
+        kernel, why = None, str(err)
+    changed = 0
+    for module in target.model.modules() if kernel is not None else ():
+        if type(module) is torch.nn.Linear and module.bias is None:
+            module.__class__ = StreamingLinear
+            module.kernel = kernel
+            changed += 1
+    if lines:
+        lines(f"target linears: {changed} streamed by the kernel" if changed else f"target linears: torch's ({why})")
+    return changed

@@ -99,11 +99,13 @@ class StaticDecoder(nn.Module):
     outputs every forward returns, in order."""
 
     def __init__(self, model: Any, taps: Sequence[int], capacity: int,
-                 gemm: Callable[[Tensor, Tensor], Tensor] | None = None):
+                 gemm: Callable[[Tensor, Tensor], Tensor] | None = None, kernels: Any = None):
         """``gemm(x [..., K], w [N, K]) → [..., N]``: the weight products (default ``F.linear``;
-        ``kernels.RowsGemm.linear`` streams the weights at the memory's pace)."""
+        ``kernels.RowsGemm.linear`` streams the weights at the memory's pace). ``kernels``
+        (a ``kernels.RowsGemm``): one sequence's float32 passes run each layer in one call."""
         super().__init__()
         self.gemm = gemm or F.linear
+        self.kernels = kernels
         self.shape = s = decoder_shape(model)
         self.taps = tuple(int(t) for t in taps)
         self.capacity = capacity
@@ -115,7 +117,7 @@ class StaticDecoder(nn.Module):
         # scaling rules included): cos/sin [capacity, d]
         w = self.embed.weight
         cos, sin = inner.rotary_emb(w.new_zeros(1, 1, s.hidden), torch.arange(capacity, device=w.device).unsqueeze(0))
-        self.cos, self.sin = cos[0].to(w.dtype), sin[0].to(w.dtype)
+        self.cos, self.sin = cos[0].to(w.dtype).contiguous(), sin[0].to(w.dtype).contiguous()
 
     def new_slab(self, rows: int) -> tuple[list[Tensor], list[Tensor]]:
         """Zeroed keys and values, one [rows, h_kv, capacity, d] per layer (zeros: masked slots
@@ -137,6 +139,8 @@ class StaticDecoder(nn.Module):
         [B, T, n, H] (n = len(taps), 0 allowed), last [B, T, H]."""
         s = self.shape
         b, t = ids.shape
+        if self.kernels is not None and b == 1 and self.embed.weight.dtype == torch.float32:
+            return self._forward_kernels(ids, start, k, v)
         end = start + t
         heads = s.heads + s.kv_heads
         cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [B, T, 1, d]
@@ -160,6 +164,23 @@ class StaticDecoder(nn.Module):
             if i in self.taps:
                 taps[i] = x
         stacked = torch.stack([taps[i] for i in self.taps], dim=2) if self.taps else x.new_zeros(b, t, 0, s.hidden)
+        logits = self.gemm(self._norm(x, self.final_norm), self.head.weight)
+        return logits, stacked, x
+
+
+    def _forward_kernels(self, ids: Tensor, start: int, k: list[Tensor],
+                         v: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """``forward`` for one sequence, each layer one kernel call (positions = slots)."""
+        t = ids.shape[1]
+        x = self.embed(ids)[0].contiguous()  # [T, H], changed in place layer by layer
+        taps: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            self.kernels.layer(x, start, self.shape, layer, k[i], v[i], self.cos, self.sin)
+            if i in self.taps:
+                taps[i] = x.clone()
+        x = x.unsqueeze(0)  # [1, T, H]
+        stacked = (torch.stack([taps[i] for i in self.taps], dim=1).unsqueeze(0) if self.taps
+                   else x.new_zeros(1, t, 0, self.shape.hidden))
         logits = self.gemm(self._norm(x, self.final_norm), self.head.weight)
         return logits, stacked, x
 

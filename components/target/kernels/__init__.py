@@ -1,5 +1,7 @@
 """Kernels of our own, built from C source with the machine's compiler at first use.
 
+* ``layer.c``     -- one Llama-family decoder layer for one sequence, in place, in one call
+  (``RowsGemm.layer``): at decode sizes torch's per-op dispatch costs more than the arithmetic;
 * ``rows_gemm.c`` -- y = x wᵀ for a few rows x (a decode step or a verify pass: 1..16 rows):
   every weight row read once as one sequential stream, all rows' dot products done while it
   is in L1 (AVX2 + FMA, OpenMP over weight rows). MKL's sgemm on this kind of CPU reads a
@@ -22,11 +24,12 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("rows_gemm.c")
+SOURCES = (Path(__file__).with_name("rows_gemm.c"), Path(__file__).with_name("layer.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 VECTOR_CPUS = ("AVX2", "AVX512")  # torch's names for CPUs with AVX2 and FMA
 
@@ -58,13 +61,17 @@ class RowsGemm:
         self._fn = lib.rows_gemm
         self._fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fn.restype = None
+        self._layer = lib.llama_layer
+        self._layer.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 10
+                                + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+        self._layer.restype = None
 
     @classmethod
     def build(cls, directory: Path) -> RowsGemm:
         why = why_unavailable()
         if why:
             raise KernelUnavailable(why)
-        source = SOURCE.read_bytes()
+        source = b"".join(src.read_bytes() for src in SOURCES)
         key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
         path = directory / f"rows_gemm-{key}.so"
         if not path.is_file():
@@ -72,15 +79,28 @@ class RowsGemm:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
             os.close(fd)
             try:
-                done = subprocess.run([compiler(), *FLAGS, "-o", tmp, str(SOURCE)], check=False, capture_output=True,
+                done = subprocess.run([compiler(), *FLAGS, "-o", tmp, *map(str, SOURCES)], check=False, capture_output=True,
                                       text=True)
                 if done.returncode != 0:
-                    raise KernelUnavailable(f"building {SOURCE.name} failed: {done.stderr.strip()[:500]}")
+                    raise KernelUnavailable(f"building {[src.name for src in SOURCES]} failed: {done.stderr.strip()[:500]}")
                 os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
         return cls(ctypes.CDLL(str(path)), path)
+
+    def layer(self, x: Tensor, start: int, shape: Any, weights: Any, k: Tensor, v: Tensor, cos: Tensor,
+              sin: Tensor, threads: int | None = None) -> None:
+        """Runs one decoder layer (``layer.c``) in place on ``x`` [T, H] (contiguous float32), its
+        keys/values written into ``k``/``v`` [1, h_kv, S, d] at slots start..; ``shape``:
+        ``step.Shape``; ``weights``: ``step._Layer``; cos/sin [S, d]."""
+        def ptr(t: Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+        w = weights
+        self._layer(x.data_ptr(), x.shape[0], start, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+                    w.down.shape[1], shape.eps, ptr(w.norm1), ptr(w.qkv), ptr(w.q_norm), ptr(w.k_norm), ptr(w.o),
+                    ptr(w.norm2), ptr(w.gate_up), ptr(w.down), k.data_ptr(), v.data_ptr(), k.shape[2], cos.data_ptr(),
+                    sin.data_ptr(), threads or torch.get_num_threads())
 
     def linear(self, x: Tensor, w: Tensor, threads: int | None = None) -> Tensor:  # [..., K], [N, K] → [..., N]
         if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or w.device.type != "cpu":

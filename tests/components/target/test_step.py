@@ -143,3 +143,20 @@ def test_step_setting(tiny_target_cfg, tiny_target):
             step_wanted(dataclasses.replace(tiny_target_cfg, step="fast"), bf16)
     finally:
         tiny_target.model.to(torch.float32)
+
+
+def test_streamed_linears_keep_the_transformers_forward(tiny_target_cfg, tmp_path):
+    from components.target import load_target
+    from components.target.fast import StreamingLinear, stream_linears
+
+    target = load_target(tiny_target_cfg, progress=False)
+    ids = torch.tensor([prompts(target)[0] * 12], dtype=torch.long)[:, :40]  # 40 rows: past the kernel's 32
+    before = target.forward(ids).logits
+    assert stream_linears(target, tiny_target_cfg) == 0  # auto: not on the test fixture
+    cfg = dataclasses.replace(tiny_target_cfg, step="fast", cache_dir=str(tmp_path))
+    if why_unavailable() is not None:
+        pytest.skip(f"kernel: {why_unavailable()}")
+    changed = stream_linears(target, cfg)
+    assert changed == sum(isinstance(m, StreamingLinear) for m in target.model.modules()) > 0
+    torch.testing.assert_close(target.forward(ids[:, :8]).logits, before[:, :8], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(target.forward(ids).logits, before, rtol=1e-4, atol=1e-4)  # more rows: torch's

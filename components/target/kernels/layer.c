@@ -1,0 +1,104 @@
+/* One decoder layer of a Llama-family model (Llama, Qwen3's q/k norms) for one sequence, in
+ * place on x [T, H]: the T new tokens sit at slots start..start+T-1 of this layer's KV cache
+ * (kc/vc [h_kv, S, d]) and at positions start.. (RoPE: cos/sin tables [S, d]). One call per
+ * layer replaces ~25 torch ops whose dispatch costs more than their arithmetic at decode sizes.
+ *
+ *   h = rms(x) * norm1;  q|k|v = h Wqkvᵀ;  (q, k: rms per head * q_norm/k_norm);  RoPE(q, k)
+ *   cache[start + t] = k, v;  a = softmax(q kᵀ / sqrt(d)) v over slots 0..start + t (causal)
+ *   x += a Woᵀ;  h = rms(x) * norm2;  g|u = h Wguᵀ;  x += (silu(g) * u) Wdownᵀ
+ *
+ * The weight products are rows_gemm (rows_gemm.c); attention runs one (head, token) per
+ * OpenMP iteration. Same arithmetic as the torch path in float32, summed in another order.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void rows_gemm(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N, int threads);
+
+static void rms_rows(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        float ss = 0.f;
+        for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
+        float inv = 1.f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* rotate_half RoPE on one head vector v [d] at table row c/s [d] */
+static void rope(float *v, const float *c, const float *s, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
+void llama_layer(float *x, int64_t T, int64_t start, int64_t H, int64_t hq, int64_t hkv, int64_t d,
+                 int64_t inter, float eps, const float *norm1, const float *wqkv, const float *q_norm,
+                 const float *k_norm, const float *wo, const float *norm2, const float *wgu,
+                 const float *wdown, float *kc, float *vc, int64_t S, const float *cos, const float *sin,
+                 int threads) {
+    int64_t width = (hq + 2 * hkv) * d, group = hq / hkv, span = start + T;
+    float scale = 1.f / sqrtf((float)d);
+    float *h = malloc(sizeof(float) * T * H);
+    float *qkv = malloc(sizeof(float) * T * width);
+    float *att = malloc(sizeof(float) * T * hq * d);
+    float *tmp = malloc(sizeof(float) * T * (H > 2 * inter ? H : 2 * inter));
+    float *act = malloc(sizeof(float) * T * inter);
+    float *scores = malloc(sizeof(float) * hq * T * span);
+
+    rms_rows(x, norm1, h, T, H, eps);
+    rows_gemm(h, wqkv, qkv, T, H, width, threads);
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * width;
+        const float *c = cos + (start + t) * d, *s = sin + (start + t) * d;
+        for (int64_t j = 0; j < hq + hkv; j++) {
+            float *v = row + j * d;
+            const float *nw = j < hq ? q_norm : k_norm;
+            if (nw) rms_rows(v, nw, v, 1, d, eps);
+            rope(v, c, s, d);
+        }
+        for (int64_t g = 0; g < hkv; g++) {
+            memcpy(kc + (g * S + start + t) * d, row + (hq + g) * d, sizeof(float) * d);
+            memcpy(vc + (g * S + start + t) * d, row + (hq + hkv + g) * d, sizeof(float) * d);
+        }
+    }
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t it = 0; it < hq * T; it++) {
+        int64_t head = it / T, t = it % T, g = head / group, n = start + t + 1;
+        const float *q = qkv + t * width + head * d;
+        float *sc = scores + it * span, *out = att + t * hq * d + head * d;
+        float top = -INFINITY, sum = 0.f;
+        for (int64_t j = 0; j < n; j++) {
+            const float *kr = kc + (g * S + j) * d;
+            float dot = 0.f;
+            for (int64_t i = 0; i < d; i++) dot += q[i] * kr[i];
+            sc[j] = dot * scale;
+            top = sc[j] > top ? sc[j] : top;
+        }
+        for (int64_t j = 0; j < n; j++) sum += (sc[j] = expf(sc[j] - top));
+        memset(out, 0, sizeof(float) * d);
+        for (int64_t j = 0; j < n; j++) {
+            const float *vr = vc + (g * S + j) * d;
+            float p = sc[j] / sum;
+            for (int64_t i = 0; i < d; i++) out[i] += p * vr[i];
+        }
+    }
+    rows_gemm(att, wo, tmp, T, hq * d, H, threads);
+    for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
+    rms_rows(x, norm2, h, T, H, eps);
+    rows_gemm(h, wgu, tmp, T, H, 2 * inter, threads);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < inter; i++) {
+            float g = tmp[t * 2 * inter + i], u = tmp[t * 2 * inter + inter + i];
+            act[t * inter + i] = g / (1.f + expf(-g)) * u;
+        }
+    rows_gemm(act, wdown, tmp, T, inter, H, threads);
+    for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
+    free(h), free(qkv), free(att), free(tmp), free(act), free(scores);
+}
