@@ -29,7 +29,13 @@ from torch import Tensor
 
 from components.config import TINY_TARGET, TargetConfig
 from components.target.hf import Target, TargetError, TargetOutput
-from components.target.kernels import KernelUnavailable, rows_gemm, why_unavailable
+from components.target.kernels import (
+    KernelUnavailable,
+    PackedWeight,
+    RowsGemm,
+    rows_gemm,
+    why_unavailable,
+)
 from components.target.step import (
     StaticCache,
     StaticDecoder,
@@ -42,11 +48,28 @@ STEPS = ("auto", "fast", "hf")
 MAX_KERNEL_ROWS = 32  # passes with more rows (a prefill) take torch's GEMM: compute-bound, MKL's ground
 
 
+class KernelGemm:
+    """The decoder's weight products: ``prepare`` packs each weight once (a copy, kept beside
+    the tensor it came from); a decode step's few rows take the kernel, more rows (a prefill)
+    torch's GEMM on the unpacked weight."""
+
+    def __init__(self, kernel: RowsGemm):
+        self.kernel = kernel
+
+    def prepare(self, w: Tensor) -> PackedWeight:
+        return self.kernel.pack(w)
+
+    def __call__(self, x: Tensor, w: PackedWeight | Tensor) -> Tensor:
+        if x.numel() // x.shape[-1] <= MAX_KERNEL_ROWS:
+            return self.kernel.linear(x, w)
+        return torch.nn.functional.linear(x, w.weight if isinstance(w, PackedWeight) else w)
+
+
 class StepTarget(Target):
     """``target``'s model behind the static-slab decoder; ``gemm`` does its weight products."""
 
     def __init__(self, target: Target, taps: Sequence[int] = (), capacity: int = 2048,
-                 gemm: Callable[[Tensor, Tensor], Tensor] | None = None):
+                 gemm: Callable[[Tensor, Any], Tensor] | None = None):
         super().__init__(target.model, target.tokenizer, target.name_or_path)
         self.decoder = StaticDecoder(target.model, self.check_layer_ids(taps), capacity, gemm)
         self.taps = self.decoder.taps
@@ -125,10 +148,6 @@ def step_target(target: Target, cfg: TargetConfig, taps: Sequence[int] = (),
             lines(f"target step: transformers ({err})")
         return target
 
-    def gemm(x: Tensor, w: Tensor) -> Tensor:  # the kernel for a decode step's few rows, torch's beyond
-        rows = x.numel() // x.shape[-1]
-        return kernel.linear(x, w) if rows <= MAX_KERNEL_ROWS else torch.nn.functional.linear(x, w)
-
     if lines:
         lines(f"target step: fast (static KV cache of {cfg.static_len} slots, kernel {kernel.path.name})")
-    return StepTarget(target, taps, cfg.static_len, gemm)
+    return StepTarget(target, taps, cfg.static_len, KernelGemm(kernel))
