@@ -12,6 +12,16 @@ again, so it sits in the CPU's caches: the one-row times are those of a product 
 nothing from memory (a forward streams every weight from DRAM), and the ratios show what the
 kernel's arithmetic costs per extra row. Nothing is asserted; the figures help read the target's
 T(k)/T(1) curve (``bench/target_card.py``) and which draft lengths are cheap to verify.
+
+    python bench/gemm_rows.py --kernel [--rows 1,2,3,4,5,8,9,16,17] [--threads 1,2] [--reps 7]
+
+``--kernel`` times the fast step's kernel (``components.target.kernels``) where a decode step
+uses it, on weights streamed from memory: random float32 weights of SmolLM2-135M's shapes, the
+LM head [49152, 576] (113 MB) and 30 layers' qkv/o/gate_up/down (425 MB), each far larger than
+the caches. Per k and thread count, in one process and interleaved: torch's ``F.linear``, the
+kernel on the weights as they are, the kernel on packed weights (what the fast step runs), and
+the memory floor: a sum over a 540 MB tensor (torch, same threads). Prints ms and GB/s (weight
+bytes over time), and each time over the packed kernel's k=1.
 """
 
 from __future__ import annotations
@@ -32,8 +42,9 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="embedded", help="embedded, smollm2, tiny or an HF directory")
     ap.add_argument("--rows", default="1,2,3,4,8,16", help="k: rows (tokens) per product")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", default="1", help="threads (--kernel: a list, e.g. 1,2)")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--kernel", action="store_true", help="the fast step's kernel on streamed weights (above)")
     return ap.parse_args()
 
 
@@ -59,8 +70,64 @@ def time_rows(weight: torch.Tensor, rows: list[int], reps: int) -> dict[int, flo
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+LAYER = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # SmolLM2-135M
+HEAD, LAYERS = (49152, 576), 30
+
+
+def kernel_bench(rows: list[int], threads: list[int], reps: int) -> None:
+    """The table of ``--kernel`` (see the module's docstring)."""
+    import tempfile
+
+    from components.target.kernels import RowsGemm
+
+    kernel = RowsGemm.build(Path(tempfile.mkdtemp(prefix="rows_gemm-")))
+    gen = torch.Generator().manual_seed(0)
+    sets = {"head": [torch.randn(*HEAD, generator=gen)],
+            f"{LAYERS} layers": [torch.randn(*LAYER[n], generator=gen) for _ in range(LAYERS) for n in LAYER]}
+    packs = {name: [kernel.pack(w) for w in ws] for name, ws in sets.items()}
+    floor = torch.randn(135_000_000, generator=gen)  # 540 MB
+    ways = {"torch": lambda x, ws, pk, t: [torch.nn.functional.linear(x, w) for w in ws],
+            "unpacked": lambda x, ws, pk, t: [kernel.linear(x, w, t) for w in ws],
+            "packed": lambda x, ws, pk, t: [kernel.linear(x, p, t) for p in pk]}
+    inputs = {(name, k): {w.shape[1]: torch.randn(k, w.shape[1], generator=gen) for w in ws}
+              for name, ws in sets.items() for k in rows}
+    print(f"float32 weights from memory, median of {reps}, torch {torch.__version__}; "
+          "ms (GB/s) [over packed k=1]")
+    for t in threads:
+        torch.set_num_threads(t)
+        samples: dict[tuple, list[float]] = {}
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            floor.sum()
+            if rep:
+                samples.setdefault(("floor",), []).append(time.perf_counter() - t0)
+            for name, ws in sets.items():
+                for k in rows:
+                    for way, fn in ways.items():
+                        xs = inputs[(name, k)]
+                        t0 = time.perf_counter()
+                        for x, w, p in zip((xs[w.shape[1]] for w in ws), ws, packs[name]):
+                            fn(x, [w], [p], t)
+                        if rep:  # the first pass warms every shape up
+                            samples.setdefault((name, k, way), []).append(time.perf_counter() - t0)
+        med = {key: statistics.median(v) for key, v in samples.items()}
+        print(f"\n{t} thread(s): memory floor (sum of 540 MB) {floor.numel() * 4 / med[('floor',)] / 1e9:.1f} GB/s")
+        for name, ws in sets.items():
+            size = sum(w.numel() * 4 for w in ws)
+            print(f"{name} ({size / 1e6:.0f} MB)")
+            print(f"{'k':>4}" + "".join(f"{way:>26}" for way in ways))
+            for k in rows:
+                cells = "".join(f"{1e3 * med[(name, k, way)]:9.2f} ({size / med[(name, k, way)] / 1e9:4.1f})"
+                                f" [{med[(name, k, way)] / med[(name, rows[0], 'packed')]:4.2f}]" for way in ways)
+                print(f"{k:>4}{cells}")
+
+
 def main() -> None:
     args = parse_args()
+    if args.kernel:
+        kernel_bench([int(k) for k in args.rows.split(",")], [int(t) for t in args.threads.split(",")], args.reps)
+        return
+    args.threads = int(args.threads)
     torch.set_num_threads(args.threads)
     from components.config import TargetConfig
     from components.target import load_target

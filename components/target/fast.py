@@ -29,7 +29,13 @@ from torch import Tensor
 
 from components.config import TINY_TARGET, TargetConfig
 from components.target.hf import Target, TargetError, TargetOutput
-from components.target.kernels import KernelUnavailable, rows_gemm, why_unavailable
+from components.target.kernels import (
+    KernelUnavailable,
+    PackedWeight,
+    RowsGemm,
+    rows_gemm,
+    why_unavailable,
+)
 from components.target.step import (
     StaticCache,
     StaticDecoder,
@@ -42,11 +48,28 @@ STEPS = ("auto", "fast", "hf")
 MAX_KERNEL_ROWS = 32  # passes with more rows (a prefill) take torch's GEMM: compute-bound, MKL's ground
 
 
+class KernelGemm:
+    """The decoder's weight products: ``prepare`` packs each weight once (a copy, kept beside
+    the tensor it came from); a decode step's few rows take the kernel, more rows (a prefill)
+    torch's GEMM on the unpacked weight."""
+
+    def __init__(self, kernel: RowsGemm):
+        self.kernel = kernel
+
+    def prepare(self, w: Tensor) -> PackedWeight:
+        return self.kernel.pack(w)
+
+    def __call__(self, x: Tensor, w: PackedWeight | Tensor) -> Tensor:
+        if x.numel() // x.shape[-1] <= MAX_KERNEL_ROWS:
+            return self.kernel.linear(x, w)
+        return torch.nn.functional.linear(x, w.weight if isinstance(w, PackedWeight) else w)
+
+
 class StepTarget(Target):
     """``target``'s model behind the static-slab decoder; ``gemm`` does its weight products."""
 
     def __init__(self, target: Target, taps: Sequence[int] = (), capacity: int = 2048,
-                 gemm: Callable[[Tensor, Tensor], Tensor] | None = None, kernels: Any = None):
+                 gemm: Callable[[Tensor, Any], Tensor] | None = None, kernels: Any = None):
         super().__init__(target.model, target.tokenizer, target.name_or_path)
         self.decoder = StaticDecoder(target.model, self.check_layer_ids(taps), capacity, gemm, kernels)
         self.taps = self.decoder.taps
@@ -125,31 +148,29 @@ def step_target(target: Target, cfg: TargetConfig, taps: Sequence[int] = (),
             lines(f"target step: transformers ({err})")
         return target
 
-    def gemm(x: Tensor, w: Tensor) -> Tensor:  # the kernel for a decode step's few rows, torch's beyond
-        rows = x.numel() // x.shape[-1]
-        return kernel.linear(x, w) if rows <= MAX_KERNEL_ROWS else torch.nn.functional.linear(x, w)
-
     if lines:
         lines(f"target step: fast (static KV cache of {cfg.static_len} slots, kernel {kernel.path.name})")
-    return StepTarget(target, taps, cfg.static_len, gemm, kernel)
+    return StepTarget(target, taps, cfg.static_len, KernelGemm(kernel), kernel)
 
 
 class StreamingLinear(torch.nn.Linear):
     """An ``nn.Linear`` (no bias, float32, CPU) whose products of a few rows, outside autograd,
-    run the weight-streaming kernel; larger or differentiable ones run torch's."""
+    run the weight-streaming kernel on its packed copy; larger or differentiable ones torch's."""
 
-    kernel: Any = None  # a kernels.RowsGemm, set per module by ``stream_linears``
+    packed: Any = None  # kernels.PackedWeight of this module's weight, set by ``stream_linears``
+    kernel: Any = None  # kernels.RowsGemm
 
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() // x.shape[-1] <= MAX_KERNEL_ROWS and not torch.is_grad_enabled() and x.dtype == torch.float32:
-            return self.kernel.linear(x, self.weight)
+            return self.kernel.linear(x, self.packed)
         return super().forward(x)
 
 
 def stream_linears(target: Target, cfg: TargetConfig, lines: Callable[[str], None] | None = None) -> int:
     """Where ``target.step`` chose the fast step: every bias-free linear layer of ``target``'s
     model becomes a ``StreamingLinear`` (for engines that keep the transformers forward: the batch
-    engine that serves); the number changed (0 where not chosen). In place, for the process."""
+    engine that serves, the data stage's rollouts), its weight packed beside it (a copy); the
+    number changed (0 where not chosen). In place, for the process."""
     wanted, why = step_wanted(cfg, target)
     try:
         kernel = rows_gemm(Path(cfg.cache_dir) / "kernels") if wanted else None
@@ -161,7 +182,7 @@ def stream_linears(target: Target, cfg: TargetConfig, lines: Callable[[str], Non
     for module in target.model.modules() if kernel is not None else ():
         if type(module) is torch.nn.Linear and module.bias is None:
             module.__class__ = StreamingLinear
-            module.kernel = kernel
+            module.kernel, module.packed = kernel, kernel.pack(module.weight)
             changed += 1
     if lines:
         lines(f"target linears: {changed} streamed by the kernel" if changed else f"target linears: torch's ({why})")

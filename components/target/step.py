@@ -99,20 +99,24 @@ class StaticDecoder(nn.Module):
     outputs every forward returns, in order."""
 
     def __init__(self, model: Any, taps: Sequence[int], capacity: int,
-                 gemm: Callable[[Tensor, Tensor], Tensor] | None = None, kernels: Any = None):
-        """``gemm(x [..., K], w [N, K]) → [..., N]``: the weight products (default ``F.linear``;
-        ``kernels.RowsGemm.linear`` streams the weights at the memory's pace). ``kernels``
-        (a ``kernels.RowsGemm``): one sequence's float32 passes run each layer in one call."""
+                 gemm: Callable[[Tensor, Any], Tensor] | None = None, kernels: Any = None):
+        """``gemm(x [..., K], w) → [..., N]``: the weight products (default ``F.linear``; the fast
+        step's streams the weights at the memory's pace). Where ``gemm`` has a ``prepare(w [N, K])``,
+        every weight is passed through it once, here, and ``gemm`` gets what it returned (e.g. the
+        weight packed for the kernel: a copy). ``kernels`` (a ``kernels.RowsGemm``, with a ``gemm``
+        that packs): one sequence's float32 passes run each layer in one call."""
         super().__init__()
         self.gemm = gemm or F.linear
         self.kernels = kernels
+        prepare = getattr(self.gemm, "prepare", None) or (lambda w: w)
         self.shape = s = decoder_shape(model)
         self.taps = tuple(int(t) for t in taps)
         self.capacity = capacity
         inner = model.model
         self.embed, self.head = inner.embed_tokens, model.get_output_embeddings()
         self.final_norm = inner.norm.weight
-        self.layers = [_Layer.of(layer, s) for layer in inner.layers]
+        self.layers = [_Layer.of(layer, s, prepare) for layer in inner.layers]
+        self.head_weight = prepare(self.head.weight)
         # RoPE tables for every slot position, from the model's own rotary embedding (its
         # scaling rules included): cos/sin [capacity, d]
         w = self.embed.weight
@@ -164,7 +168,7 @@ class StaticDecoder(nn.Module):
             if i in self.taps:
                 taps[i] = x
         stacked = torch.stack([taps[i] for i in self.taps], dim=2) if self.taps else x.new_zeros(b, t, 0, s.hidden)
-        logits = self.gemm(self._norm(x, self.final_norm), self.head.weight)
+        logits = self.gemm(self._norm(x, self.final_norm), self.head_weight)
         return logits, stacked, x
 
 
@@ -181,30 +185,31 @@ class StaticDecoder(nn.Module):
         x = x.unsqueeze(0)  # [1, T, H]
         stacked = (torch.stack([taps[i] for i in self.taps], dim=1).unsqueeze(0) if self.taps
                    else x.new_zeros(1, t, 0, self.shape.hidden))
-        logits = self.gemm(self._norm(x, self.final_norm), self.head.weight)
+        logits = self.gemm(self._norm(x, self.final_norm), self.head_weight)
         return logits, stacked, x
 
 
 @dataclass
 class _Layer:
-    """One decoder layer's weights as the step reads them."""
+    """One decoder layer's weights as the step reads them (the products' weights as the decoder's
+    ``gemm`` prepared them)."""
 
     norm1: Tensor
-    qkv: Tensor  # [(hq + 2 h_kv) d, H]: q, k, v stacked (a copy)
-    o: Tensor
+    qkv: Any  # [(hq + 2 h_kv) d, H]: q, k, v stacked (a copy)
+    o: Any
     norm2: Tensor
-    gate_up: Tensor  # [2 I, H]: gate, up stacked (a copy)
-    down: Tensor
+    gate_up: Any  # [2 I, H]: gate, up stacked (a copy)
+    down: Any
     q_norm: Tensor | None
     k_norm: Tensor | None
 
     @classmethod
-    def of(cls, layer: Any, shape: Shape) -> _Layer:
+    def of(cls, layer: Any, shape: Shape, prepare: Callable[[Tensor], Any] = lambda w: w) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous()
         gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
-        return cls(layer.input_layernorm.weight, qkv, attn.o_proj.weight.contiguous(),
-                   layer.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight.contiguous(),
+        return cls(layer.input_layernorm.weight, prepare(qkv), prepare(attn.o_proj.weight.contiguous()),
+                   layer.post_attention_layernorm.weight, prepare(gate_up), prepare(mlp.down_proj.weight.contiguous()),
                    attn.q_norm.weight if shape.qk_norm else None, attn.k_norm.weight if shape.qk_norm else None)
 
 

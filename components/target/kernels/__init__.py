@@ -1,12 +1,16 @@
 """Kernels of our own, built from C source with the machine's compiler at first use.
 
 * ``layer.c``     -- one Llama-family decoder layer for one sequence, in place, in one call
-  (``RowsGemm.layer``): at decode sizes torch's per-op dispatch costs more than the arithmetic;
-* ``rows_gemm.c`` -- y = x wᵀ for a few rows x (a decode step or a verify pass: 1..16 rows):
-  every weight row read once as one sequential stream, all rows' dot products done while it
-  is in L1 (AVX2 + FMA, OpenMP over weight rows). MKL's sgemm on this kind of CPU reads a
+  (``RowsGemm.layer``, packed weights): at decode sizes torch's per-op dispatch costs more than
+  the arithmetic;
+* ``rows_gemm.c`` -- y = x wᵀ for a few rows x (a decode step or a verify pass: 1..17 rows):
+  every weight read once as one sequential stream, all rows' products done while it is in
+  cache (AVX2 + FMA, OpenMP over weight rows). MKL's sgemm on this kind of CPU reads a
   one-row product at about half the memory's pace and prices 2..8 rows far above one row
-  (docs/results.md, ``bench/target_step.py``); this kernel does neither.
+  (docs/results.md, ``bench/gemm_rows.py``); this kernel does neither. Weights packed once
+  (``RowsGemm.pack``: panels of 16 rows, [ceil(N/16), K, 16]) take an outer-product kernel
+  whose 2..16 rows cost little more than one (the stream, not the arithmetic, sets the pace);
+  weights as they are ([N, K]) take a dot-product kernel whose extra rows cost more.
 
 ``RowsGemm.build(dir)`` compiles the source into ``dir`` once (keyed by a hash of the source and
 flags; written under a temporary name and renamed, so an interrupted build leaves nothing) and
@@ -23,6 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +57,35 @@ def why_unavailable() -> str | None:
     return None
 
 
+PANEL = 16  # weight rows per packed panel (NR in rows_gemm.c)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """A weight [N, K] packed for ``RowsGemm.linear``: ``panels`` [ceil(N/16), K, 16] (rows
+    past N zero), a copy; ``weight`` is the tensor it was packed from (kept, not copied, for
+    products the kernel does not serve, e.g. a prefill through torch's GEMM)."""
+
+    panels: Tensor
+    weight: Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+
 class RowsGemm:
     """The built ``rows_gemm`` kernel: ``linear(x, w)`` = ``x @ w.T`` for float32 ``x`` [..., K]
-    and ``w`` [N, K] on the CPU, on ``threads`` threads (default: torch's)."""
+    and ``w`` [N, K] (or ``pack(w)``, much faster for 2+ rows) on the CPU, on ``threads``
+    threads (default: torch's)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
-        self._fn = lib.rows_gemm
-        self._fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        self._fn.restype = None
+        gemm_args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._fn, self._packed, self._pack = lib.rows_gemm, lib.rows_gemm_packed, lib.rows_gemm_pack
+        self._fn.argtypes = self._packed.argtypes = gemm_args
+        self._pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._fn.restype = self._packed.restype = self._pack.restype = None
         self._layer = lib.llama_layer
         self._layer.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 10
                                 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int])
@@ -93,24 +118,45 @@ class RowsGemm:
               sin: Tensor, threads: int | None = None) -> None:
         """Runs one decoder layer (``layer.c``) in place on ``x`` [T, H] (contiguous float32), its
         keys/values written into ``k``/``v`` [1, h_kv, S, d] at slots start..; ``shape``:
-        ``step.Shape``; ``weights``: ``step._Layer``; cos/sin [S, d]."""
+        ``step.Shape``; ``weights``: ``step._Layer`` with its products' weights packed; cos/sin [S, d]."""
+        w = weights
+        products = (w.qkv, w.o, w.gate_up, w.down)
+        if not all(isinstance(p, PackedWeight) for p in products):
+            raise KernelUnavailable("RowsGemm.layer takes packed weights (RowsGemm.pack)")
+
         def ptr(t: Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
-        w = weights
         self._layer(x.data_ptr(), x.shape[0], start, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
-                    w.down.shape[1], shape.eps, ptr(w.norm1), ptr(w.qkv), ptr(w.q_norm), ptr(w.k_norm), ptr(w.o),
-                    ptr(w.norm2), ptr(w.gate_up), ptr(w.down), k.data_ptr(), v.data_ptr(), k.shape[2], cos.data_ptr(),
-                    sin.data_ptr(), threads or torch.get_num_threads())
+                    w.down.shape[1], shape.eps, ptr(w.norm1), ptr(w.qkv.panels), ptr(w.q_norm), ptr(w.k_norm),
+                    ptr(w.o.panels), ptr(w.norm2), ptr(w.gate_up.panels), ptr(w.down.panels), k.data_ptr(),
+                    v.data_ptr(), k.shape[2], cos.data_ptr(), sin.data_ptr(), threads or torch.get_num_threads())
 
-    def linear(self, x: Tensor, w: Tensor, threads: int | None = None) -> Tensor:  # [..., K], [N, K] → [..., N]
-        if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or w.device.type != "cpu":
+    @staticmethod
+    def _check(*tensors: Tensor) -> None:
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
             raise KernelUnavailable("rows_gemm takes float32 CPU tensors")
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        w = w.contiguous()
-        y = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
-        self._fn(flat.data_ptr(), w.data_ptr(), y.data_ptr(), flat.shape[0], flat.shape[1], w.shape[0],
-                 threads or torch.get_num_threads())
-        return y.view(*x.shape[:-1], w.shape[0])
+
+    def pack(self, w: Tensor, threads: int | None = None) -> PackedWeight:
+        """``w`` [N, K] packed once for ``linear`` (a copy of its size, rounded up to 16 rows)."""
+        self._check(w)
+        n, k = w.shape
+        panels = torch.empty((n + PANEL - 1) // PANEL, k, PANEL, dtype=torch.float32)
+        self._pack(w.contiguous().data_ptr(), panels.data_ptr(), n, k, threads or torch.get_num_threads())
+        return PackedWeight(panels, w)
+
+    def linear(self, x: Tensor, w: Tensor | PackedWeight, threads: int | None = None) -> Tensor:
+        """[..., K] × [N, K] (or its ``pack``) → [..., N]."""
+        packed = isinstance(w, PackedWeight)
+        weight = w.panels if packed else w.contiguous()
+        self._check(x, weight)
+        n, k = w.shape
+        if x.shape[-1] != k:
+            raise ValueError(f"rows_gemm: x [..., {x.shape[-1]}] against a weight [{n}, {k}]")
+        flat = x.reshape(-1, k).contiguous()
+        y = torch.empty(flat.shape[0], n, dtype=torch.float32)
+        (self._packed if packed else self._fn)(flat.data_ptr(), weight.data_ptr(), y.data_ptr(), flat.shape[0], k, n,
+                                               threads or torch.get_num_threads())
+        return y.view(*x.shape[:-1], n)
 
 
 _built: RowsGemm | None = None  # the kernel the registered op calls (one per process)

@@ -7,7 +7,8 @@
  *   cache[start + t] = k, v;  a = softmax(q kᵀ / sqrt(d)) v over slots 0..start + t (causal)
  *   x += a Woᵀ;  h = rms(x) * norm2;  g|u = h Wguᵀ;  x += (silu(g) * u) Wdownᵀ
  *
- * The weight products are rows_gemm (rows_gemm.c); attention runs one (head, token) per
+ * The weights come packed (rows_gemm_pack: panels of 16 rows) and their products are
+ * rows_gemm_packed (rows_gemm.c); attention runs one (head, token) per
  * OpenMP iteration. Same arithmetic as the torch path in float32, summed in another order.
  */
 #include <math.h>
@@ -15,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void rows_gemm(const float *x, const float *w, float *y, int64_t M, int64_t K, int64_t N, int threads);
+void rows_gemm_packed(const float *x, const float *panels, float *y, int64_t M, int64_t K, int64_t N, int threads);
 
 static void rms_rows(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps) {
     for (int64_t r = 0; r < rows; r++) {
@@ -53,7 +54,7 @@ void llama_layer(float *x, int64_t T, int64_t start, int64_t H, int64_t hq, int6
     float *scores = malloc(sizeof(float) * hq * T * span);
 
     rms_rows(x, norm1, h, T, H, eps);
-    rows_gemm(h, wqkv, qkv, T, H, width, threads);
+    rows_gemm_packed(h, wqkv, qkv, T, H, width, threads);
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * width;
         const float *c = cos + (start + t) * d, *s = sin + (start + t) * d;
@@ -89,16 +90,16 @@ void llama_layer(float *x, int64_t T, int64_t start, int64_t H, int64_t hq, int6
             for (int64_t i = 0; i < d; i++) out[i] += p * vr[i];
         }
     }
-    rows_gemm(att, wo, tmp, T, hq * d, H, threads);
+    rows_gemm_packed(att, wo, tmp, T, hq * d, H, threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
     rms_rows(x, norm2, h, T, H, eps);
-    rows_gemm(h, wgu, tmp, T, H, 2 * inter, threads);
+    rows_gemm_packed(h, wgu, tmp, T, H, 2 * inter, threads);
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < inter; i++) {
             float g = tmp[t * 2 * inter + i], u = tmp[t * 2 * inter + inter + i];
             act[t * inter + i] = g / (1.f + expf(-g)) * u;
         }
-    rows_gemm(act, wdown, tmp, T, inter, H, threads);
+    rows_gemm_packed(act, wdown, tmp, T, inter, H, threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
     free(h), free(qkv), free(att), free(tmp), free(act), free(scores);
 }

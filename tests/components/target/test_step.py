@@ -20,7 +20,7 @@ from components.engine import (
 )
 from components.engine.core import crop_cache
 from components.evaluation.runner import NEAR_TIE
-from components.target.fast import StepTarget, step_target, step_wanted
+from components.target.fast import MAX_KERNEL_ROWS, KernelGemm, StepTarget, step_target, step_wanted
 from components.target.hf import TargetError
 from components.target.kernels import RowsGemm, why_unavailable
 from components.target.step import StaticCache, causal_mask
@@ -53,11 +53,28 @@ def fast(tiny_target_cfg, tiny_target) -> StepTarget:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17])
 @pytest.mark.parametrize("k", [8, 37, 64, 100])
 def test_kernel_equals_torch(kernel, rows, k):
+    """Unpacked and packed weights; 45 and 77 weight rows: not multiples of the 16-row panel."""
     gen = torch.Generator().manual_seed(rows * 1000 + k)
-    x, w = torch.randn(rows, k, generator=gen), torch.randn(45, k, generator=gen)
-    for threads in (1, 2):
-        torch.testing.assert_close(kernel.linear(x, w, threads), x @ w.T, rtol=1e-5, atol=1e-5)
-    assert kernel.linear(x.view(1, rows, k), w).shape == (1, rows, 45)
+    x = torch.randn(rows, k, generator=gen)
+    for n in (45, 77):
+        w = torch.randn(n, k, generator=gen)
+        packed = kernel.pack(w)
+        assert packed.panels.shape == ((n + 15) // 16, k, 16) and packed.shape == w.shape
+        for threads in (1, 2):
+            torch.testing.assert_close(kernel.linear(x, w, threads), x @ w.T, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(kernel.linear(x, packed, threads), x @ w.T, rtol=1e-5, atol=1e-5)
+        assert kernel.linear(x.view(1, rows, k), w).shape == (1, rows, n)
+        assert kernel.linear(x.view(1, rows, k), packed).shape == (1, rows, n)
+
+
+@needs_kernel
+def test_kernel_gemm_packs_once_and_leaves_many_rows_to_torch(kernel):
+    gemm, w = KernelGemm(kernel), torch.randn(40, 24)
+    packed = gemm.prepare(w)
+    assert packed.weight is w
+    for rows in (3, MAX_KERNEL_ROWS + 1):
+        x = torch.randn(1, rows, 24)
+        torch.testing.assert_close(gemm(x, packed), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 def test_decoder_equals_transformers_over_a_prefill_and_steps(tiny_target, fast):
