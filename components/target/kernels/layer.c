@@ -11,6 +11,7 @@
  * rows_gemm_packed (rows_gemm.c); attention runs one (head, token) per
  * OpenMP iteration. Same arithmetic as the torch path in float32, summed in another order.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,12 +19,29 @@
 
 void rows_gemm_packed(const float *x, const float *panels, float *y, int64_t M, int64_t K, int64_t N, int threads);
 
+/* a · b over n floats: AVX2, two accumulators (a scalar loop would not vectorize: a float
+ * reduction may not be reordered without -ffast-math) */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    __m256 v = _mm256_add_ps(s0, s1);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    float total = _mm_cvtss_f32(_mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
 static void rms_rows(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         float *yr = y + r * n;
-        float ss = 0.f;
-        for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
+        float ss = dot(xr, xr, n);
         float inv = 1.f / sqrtf(ss / (float)n + eps);
         for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
     }
@@ -76,10 +94,7 @@ void llama_layer(float *x, int64_t T, int64_t start, int64_t H, int64_t hq, int6
         float *sc = scores + it * span, *out = att + t * hq * d + head * d;
         float top = -INFINITY, sum = 0.f;
         for (int64_t j = 0; j < n; j++) {
-            const float *kr = kc + (g * S + j) * d;
-            float dot = 0.f;
-            for (int64_t i = 0; i < d; i++) dot += q[i] * kr[i];
-            sc[j] = dot * scale;
+            sc[j] = dot(q, kc + (g * S + j) * d, d) * scale;
             top = sc[j] > top ? sc[j] : top;
         }
         for (int64_t j = 0; j < n; j++) sum += (sc[j] = expf(sc[j] - top));
