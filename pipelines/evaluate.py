@@ -98,7 +98,7 @@ def _assistant(cfg: SpeclineConfig, target_path: str, target: Any, methods: list
 def _log(tracker: Tracker, cfg: SpeclineConfig, report: EvalReport, offline: dict[str, Any], out: Path) -> None:
     tracker.log_metrics(rep.stage_metrics(report, offline))
     text = rep.markdown(report, cfg.eval, cfg.eval.threads or torch.get_num_threads(), offline)
-    data = rep.report_dict(report) | {"offline_vs_engine": offline}
+    data = rep.json_keys(rep.report_dict(report) | {"offline_vs_engine": offline})
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps(data, indent=1, default=str))

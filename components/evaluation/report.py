@@ -234,16 +234,26 @@ def stage_metrics(report: EvalReport, offline: dict[str, Any]) -> dict[str, floa
     return metrics
 
 
+def json_keys(obj: Any) -> Any:
+    """``obj`` with every mapping key JSON can write (a tuple key, e.g. a prompt's ids in a
+    method's notes, becomes its ``str``), recursively."""
+    if isinstance(obj, dict):
+        return {k if isinstance(k, (str, int, float, bool)) or k is None else str(k): json_keys(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_keys(v) for v in obj]
+    return obj
+
+
 def report_dict(report: EvalReport) -> dict[str, Any]:
     """JSON-ready: prompts (with their set), per-method summaries overall and per set, per-prompt
     runs (tokens left out)."""
     runs = {m: [{k: v for k, v in dataclasses.asdict(r).items() if k != "tokens"} | {"new_tokens": len(r.tokens)}
                 for r in rs] for m, rs in report.runs.items()}
-    return {"prompts": [{"prompt_id": p.prompt_id, "set": prompt_set(p.prompt_id), "tokens": len(p.input_ids)}
-                        for p in report.prompts],
-            "methods": {m: dataclasses.asdict(s) for m, s in report.summaries.items()},
-            "sets": {n: {m: dataclasses.asdict(s) for m, s in g.items()} for n, g in report.sets.items()},
-            "runs": runs, "unavailable": dict(report.unavailable)}
+    return json_keys({"prompts": [{"prompt_id": p.prompt_id, "set": prompt_set(p.prompt_id), "tokens": len(p.input_ids)}
+                                  for p in report.prompts],
+                      "methods": {m: dataclasses.asdict(s) for m, s in report.summaries.items()},
+                      "sets": {n: {m: dataclasses.asdict(s) for m, s in g.items()} for n, g in report.sets.items()},
+                      "runs": runs, "unavailable": dict(report.unavailable)})
 
 
 def _pyplot() -> Any:

@@ -74,6 +74,14 @@ def test_mlflow_metrics_per_set_beside_the_overall_names():
     assert [p["set"] for p in data["prompts"]] == ["humaneval", "chat", "humaneval"]
 
 
+def test_the_json_report_writes_notes_keyed_by_tuples():
+    import json
+
+    report = _report()
+    report.summaries["drafter"].extra["by_prompt"] = {(1, 2, 3): 4}  # e.g. a prompt's ids
+    assert json.loads(json.dumps(rep.report_dict(report)))["methods"]["drafter"]["extra"]["by_prompt"] == {"(1, 2, 3)": 4}
+
+
 def test_plots_have_a_panel_and_a_bar_group_per_set(tmp_path):
     pytest.importorskip("matplotlib")
     report = _report(mismatch_on=CHAT[0])
