@@ -55,7 +55,7 @@ from components.evaluation import (
 from components.evaluation import report as rep
 from components.evaluation.assistant import ensure_embedded_assistant, load_assistant
 from components.target import load_target
-from components.target.fast import step_target
+from components.target.fast import step_target, stream_linears
 from components.target.hf import resolve_target_path
 from components.tracking import Tracker
 from pipelines.cli import main
@@ -134,6 +134,8 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     drafter = _drafter(cfg, upstream, target, methods)
     fast = step_target(target, cfg.target, taps=list(drafter.layer_ids) if drafter is not None else [],
                        lines=lambda line: print(f"eval: {line}", flush=True))
+    if fast is not target and drafter is not None:  # the drafter's few-row products too; the target's
+        stream_linears(target, cfg.target, modules=[drafter], keep_target=True)  # stay: its peers share it
     ctx = EvalContext(target, cfg.eval, drafter=drafter, assistant=assistant, assistant_path=assistant_name,
                       step=fast)
     tracker.log_params({f"eval.{k}": v for k, v in dataclasses.asdict(cfg.eval).items()}

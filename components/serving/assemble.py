@@ -63,8 +63,8 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
     if sc.torch_threads > 0:
         torch.set_num_threads(sc.torch_threads)
     target = load_target(dataclasses.replace(target_cfg, name_or_path=target_path), progress=False)
-    streamed = stream_linears(target, target_cfg)  # the batch engine keeps the transformers forward
     drafter = _load(source, target)
+    streamed = stream_linears(target, target_cfg, modules=[target.model] + ([drafter] if drafter is not None else []))
     stages = _loop_stages(sc, drafter)
     guarded = GuardedDrafter(drafter, target.vocab_size) if drafter is not None else None
     drafting = _settings(sc, guarded, stages, _carryover(sc, drafter))

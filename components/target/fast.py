@@ -166,11 +166,14 @@ class StreamingLinear(torch.nn.Linear):
         return super().forward(x)
 
 
-def stream_linears(target: Target, cfg: TargetConfig, lines: Callable[[str], None] | None = None) -> int:
-    """Where ``target.step`` chose the fast step: every bias-free linear layer of ``target``'s
-    model becomes a ``StreamingLinear`` (for engines that keep the transformers forward: the batch
-    engine that serves, the data stage's rollouts), its weight packed beside it (a copy); the
-    number changed (0 where not chosen). In place, for the process."""
+def stream_linears(target: Target, cfg: TargetConfig, lines: Callable[[str], None] | None = None,
+                   modules: Sequence[torch.nn.Module] | None = None, keep_target: bool = False) -> int:
+    """Where ``target.step`` chose the fast step: every bias-free linear layer of ``modules``
+    (default: ``target``'s model, for engines that keep the transformers forward: the batch
+    engine that serves, the data stage's rollouts; also a drafter) becomes a ``StreamingLinear``,
+    its weight packed beside it (a copy); the number changed (0 where not chosen). In place.
+    ``keep_target``: leave the target model's own layers as they are, even where ``modules``
+    share them (a drafter reading the target's head)."""
     wanted, why = step_wanted(cfg, target)
     try:
         kernel = rows_gemm(Path(cfg.cache_dir) / "kernels") if wanted else None
@@ -178,12 +181,14 @@ def stream_linears(target: Target, cfg: TargetConfig, lines: Callable[[str], Non
         if cfg.step == "fast":
             raise TargetError(f"target.step: fast, but {err}") from None
         kernel, why = None, str(err)
-    changed = 0
-    for module in target.model.modules() if kernel is not None else ():
-        if type(module) is torch.nn.Linear and module.bias is None:
-            module.__class__ = StreamingLinear
-            module.kernel, module.packed = kernel, kernel.pack(module.weight)
-            changed += 1
+    changed, kept = 0, {id(m) for m in target.model.modules()} if keep_target else set()
+    for root in (modules if modules is not None else [target.model]) if kernel is not None else ():
+        for module in root.modules():
+            if (type(module) is torch.nn.Linear and module.bias is None and module.weight.dtype == torch.float32
+                    and id(module) not in kept):
+                module.__class__ = StreamingLinear
+                module.kernel, module.packed = kernel, kernel.pack(module.weight.detach())
+                changed += 1
     if lines:
-        lines(f"target linears: {changed} streamed by the kernel" if changed else f"target linears: torch's ({why})")
+        lines(f"linears: {changed} streamed by the kernel" if changed else f"linears: torch's ({why})")
     return changed

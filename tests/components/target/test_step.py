@@ -177,3 +177,19 @@ def test_streamed_linears_keep_the_transformers_forward(tiny_target_cfg, tmp_pat
     assert changed == sum(isinstance(m, StreamingLinear) for m in target.model.modules()) > 0
     torch.testing.assert_close(target.forward(ids[:, :8]).logits, before[:, :8], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(target.forward(ids).logits, before, rtol=1e-4, atol=1e-4)  # more rows: torch's
+
+
+def test_a_drafters_linears_stream_and_the_targets_stay(tiny_target_cfg, tiny_target, tmp_path):
+    from components.target.fast import StreamingLinear, stream_linears
+
+    if why_unavailable() is not None:
+        pytest.skip(f"kernel: {why_unavailable()}")
+    drafter = random_drafter(tiny_target, "dspark")
+    drafter.shared_head = tiny_target.lm_head  # a drafter holding one of the target's own layers
+    cfg = dataclasses.replace(tiny_target_cfg, step="fast", cache_dir=str(tmp_path))
+    assert stream_linears(tiny_target, cfg, modules=[drafter], keep_target=True) > 0
+    assert not any(isinstance(m, StreamingLinear) for m in tiny_target.model.modules())
+    assert any(isinstance(m, StreamingLinear) for m in drafter.modules())
+    engine = SpeculativeEngine(tiny_target, drafter, rule="greedy")
+    prompt = prompts(tiny_target)[0]
+    assert engine.generate(prompt, MAX_NEW).tokens == target_only_generate(tiny_target, prompt, MAX_NEW).tokens
