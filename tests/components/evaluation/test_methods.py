@@ -96,12 +96,7 @@ def test_suffix_is_lossless_and_never_drafts_a_prompt_from_its_own_answer(tiny_t
     report = compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list)
     assert report.failures == [] and report.summaries["suffix"].lossless is True
     assert report.summaries["suffix"].extra["num_speculative_tokens"] == 4
-    prompt = list(eval_prompt_list[0].input_ids)
-    fresh = METHODS["suffix"].build(ctx)(prompt, NEW, 0)
-    rerun = METHODS["suffix"].build(ctx)
-    rerun(prompt, NEW, 0)
-    second = rerun(prompt, NEW, 0)
-    assert second.tokens == fresh.tokens and (second.accepted, second.drafted) == (fresh.accepted, fresh.drafted)
+    _reruns_like_fresh(ctx, "suffix", list(eval_prompt_list[0].input_ids))
 
 
 @pytest.mark.parametrize("threshold, carryover", [(None, False), (0.0, True)])
@@ -117,9 +112,14 @@ def test_hybrid_is_lossless_learns_responses_and_counts_its_sides(tiny_target, e
     assert report.failures == [] and report.summaries["hybrid"].lossless is True
     assert notes["suffix_threshold"] == (4.0 if threshold is None else threshold) and notes["carryover"] is carryover
     assert sum(notes["rounds_by_side"].values()) == sum(len(r.accepted) for r in report.runs["hybrid"])
-    prompt = list(eval_prompt_list[0].input_ids)
-    fresh = METHODS["hybrid"].build(ctx)(prompt, NEW, 0)
-    rerun = METHODS["hybrid"].build(ctx)
+    _reruns_like_fresh(ctx, "hybrid", list(eval_prompt_list[0].input_ids))
+
+
+def _reruns_like_fresh(ctx, method: str, prompt: list[int]) -> None:
+    """A prompt run again by a learning method drafts as a fresh method's first run does (its
+    own earlier answer dropped from the global tree first)."""
+    fresh = METHODS[method].build(ctx)(prompt, NEW, 0)
+    rerun = METHODS[method].build(ctx)
     rerun(prompt, NEW, 0)
     second = rerun(prompt, NEW, 0)
     assert second.tokens == fresh.tokens and (second.accepted, second.drafted) == (fresh.accepted, fresh.drafted)
