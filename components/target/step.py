@@ -124,11 +124,12 @@ class StaticDecoder(nn.Module):
         self.cos, self.sin = cos[0].to(w.dtype).contiguous(), sin[0].to(w.dtype).contiguous()
 
     def new_slab(self, rows: int) -> tuple[list[Tensor], list[Tensor]]:
-        """Zeroed keys and values, one [rows, h_kv, capacity, d] per layer (zeros: masked slots
-        stay finite)."""
+        """Keys and values, one [rows, h_kv, capacity, d] per layer, uninitialised: a pass writes
+        its slots start..end-1 before it reads slots 0..end-1, so no slot is read unwritten
+        (and a request does not pay for zeroing the whole slab)."""
         s, w = self.shape, self.embed.weight
         size = (rows, s.kv_heads, self.capacity, s.head_dim)
-        return [w.new_zeros(size) for _ in range(s.layers)], [w.new_zeros(size) for _ in range(s.layers)]
+        return [w.new_empty(size) for _ in range(s.layers)], [w.new_empty(size) for _ in range(s.layers)]
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
         if x.dtype == torch.float32:
