@@ -3,6 +3,7 @@ concurrency levels over HTTP on loopback, speculation on and off in one run.
 
     python bench/serve.py --drafter DIR [--target embedded|DIR] [--concurrency 1,8,32]
                           [--requests N] [--new-tokens 64] [--threads 1] [--no-adaptive] [--loop-stages S]
+                          [--target-step auto|fast|hf]
     python bench/serve.py --url http://127.0.0.1:8000 --model NAME [--tokenizer DIR]   # any OpenAI server
 
 Without ``--url`` it starts Ray and the specline app (``pipelines.serve.start_app``) with the
@@ -63,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=0, help="requests per level (default max(16, 2 x level))")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the replica")
+    ap.add_argument("--target-step", default="auto", choices=["auto", "fast", "hf"],
+                    help="target.step of the replica (auto/fast: its linears through the kernel)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--no-adaptive", action="store_true", help="fixed draft length instead of the adaptive cap")
     ap.add_argument("--loop-stages", type=int, default=None,
@@ -207,7 +210,7 @@ def start_server(args: argparse.Namespace, top: int) -> str:
     from components.target.hf import resolve_target_path
     from pipelines.serve import start_app
 
-    target = TargetConfig(name_or_path=args.target)
+    target = TargetConfig(name_or_path=args.target, step=args.target_step)
     path = resolve_target_path(target)
     sc = ServeConfig(port=args.port, model_name=args.model, max_ongoing_requests=top, max_queued_requests=2 * top,
                      adaptive=not args.no_adaptive, torch_threads=args.threads, cpus_per_replica=1.0,
