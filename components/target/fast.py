@@ -130,24 +130,29 @@ def step_wanted(cfg: TargetConfig, target: Target) -> tuple[bool, str]:
     return not reasons, "; ".join(reasons)
 
 
+def wanted_kernel(target: Target, cfg: TargetConfig) -> tuple[RowsGemm | None, str]:
+    """(the kernel, "") where ``target.step`` chooses the fast step and the kernel builds, else
+    (None, why not); ``fast`` makes a failed build an error."""
+    wanted, why = step_wanted(cfg, target)
+    if not wanted:
+        return None, why
+    try:
+        return rows_gemm(Path(cfg.cache_dir) / "kernels"), ""
+    except KernelUnavailable as err:
+        if cfg.step == "fast":
+            raise TargetError(f"target.step: fast, but {err}") from None
+        return None, str(err)
+
+
 def step_target(target: Target, cfg: TargetConfig, taps: Sequence[int] = (),
                 lines: Callable[[str], None] | None = None) -> Target:
     """``target`` behind the fast step (its kernel built under ``target.cache_dir`` once per
     machine, about a second), or ``target`` itself where ``target.step`` says not to."""
-    wanted, why = step_wanted(cfg, target)
-    if not wanted:
+    kernel, why = wanted_kernel(target, cfg)
+    if kernel is None:
         if lines:
             lines(f"target step: transformers ({why})")
         return target
-    try:
-        kernel = rows_gemm(Path(cfg.cache_dir) / "kernels")
-    except KernelUnavailable as err:
-        if cfg.step == "fast":
-            raise TargetError(f"target.step: fast, but {err}") from None
-        if lines:
-            lines(f"target step: transformers ({err})")
-        return target
-
     if lines:
         lines(f"target step: fast (static KV cache of {cfg.static_len} slots, kernel {kernel.path.name})")
     return StepTarget(target, taps, cfg.static_len, KernelGemm(kernel), kernel)
@@ -174,13 +179,7 @@ def stream_linears(target: Target, cfg: TargetConfig, lines: Callable[[str], Non
     its weight packed beside it (a copy); the number changed (0 where not chosen). In place.
     ``keep_target``: leave the target model's own layers as they are, even where ``modules``
     share them (a drafter reading the target's head)."""
-    wanted, why = step_wanted(cfg, target)
-    try:
-        kernel = rows_gemm(Path(cfg.cache_dir) / "kernels") if wanted else None
-    except KernelUnavailable as err:
-        if cfg.step == "fast":
-            raise TargetError(f"target.step: fast, but {err}") from None
-        kernel, why = None, str(err)
+    kernel, why = wanted_kernel(target, cfg)
     changed, kept = 0, {id(m) for m in target.model.modules()} if keep_target else set()
     for root in (modules if modules is not None else [target.model]) if kernel is not None else ():
         for module in root.modules():

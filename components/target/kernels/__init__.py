@@ -159,24 +159,11 @@ class RowsGemm:
         return y.view(*x.shape[:-1], n)
 
 
-_built: RowsGemm | None = None  # the kernel the registered op calls (one per process)
-
-
-@torch.library.custom_op("specline::rows_gemm", mutates_args=())
-def rows_gemm_op(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T`` by the built kernel, as an op ``torch.compile`` keeps whole in its graph."""
-    if _built is None:
-        raise KernelUnavailable("specline::rows_gemm called before RowsGemm.build")
-    return _built.linear(x, w)
-
-
-@rows_gemm_op.register_fake
-def _(x: Tensor, w: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], w.shape[0])
+_built: RowsGemm | None = None  # the kernel, built or loaded once per process
 
 
 def rows_gemm(directory: Path) -> RowsGemm:
-    """The kernel built (or loaded) in ``directory``; ``specline::rows_gemm`` calls it from now on."""
+    """The kernel built (or loaded) in ``directory``, once per process."""
     global _built
     if _built is None:
         _built = RowsGemm.build(directory)
