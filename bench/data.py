@@ -1,4 +1,4 @@
-"""Benchmark of the data stage on a tiny target: rollout + hidden-state capture vs plain generate.
+"""Benchmark of the data stage: rollout + hidden-state capture vs plain generate.
 
     python bench/data.py conf=dspark.yaml [data.max_prompts=32 data.max_new_tokens=32 ...] [--ray]
 
@@ -6,17 +6,22 @@ Same prompts, same run, same threads (``data.torch_threads``), greedy unless con
 
 - ``hf_generate``: a plain transformers ``model.generate`` loop over the prompts in batches of
   ``data.batch_size`` (left-padded) — what a user would write without specline;
-- ``data_stage``: specline's :class:`Roller` in process (its own decoding loop with per-prompt
-  seeds, then one forward that captures the drafter's layers + last layer, encoded to storage);
+- ``data_stage[hf]``: specline's :class:`Roller` in process on the transformers forward (its own
+  decoding loop with per-prompt seeds, then one forward that captures the drafter's layers +
+  last layer, encoded to storage);
+- ``data_stage[fast]``: the same on the fast target step (``target.step``; a continuous batch of
+  ``data.batch_size`` rows over a static KV slab, hidden states captured in the same passes);
 - ``--ray``: also the whole shards path under Ray Data (actor start-up, writes, manifest).
 
-Prints tokens/s (generated tokens) of each, the ratio data_stage / hf_generate, and the share
-of the data stage's time spent capturing hidden states. Nothing is asserted about time.
+Prints tokens/s (generated tokens) of each, their ratio to hf_generate, the time spent capturing
+hidden states, and how many records the two data paths agree on token for token. Nothing is
+asserted about time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -58,27 +63,41 @@ def main(argv: list[str]) -> None:
     cfg = load_cli(overrides)
     info = describe_target(cfg)
     prompts, _ = collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)
-    roller = Roller(info.target_cfg, cfg.data, record_meta(cfg, info))
-    roller(prompts[:cfg.data.batch_size])  # warm up both paths
-    hf_generate(roller, prompts[:cfg.data.batch_size], cfg.data.batch_size, 4, cfg.data.temperature)
-    roller.seconds = {"generate": 0.0, "capture": 0.0}
+    meta = record_meta(cfg, info)
+    rollers = {"data_stage[hf]": Roller(dataclasses.replace(info.target_cfg, step="hf"), cfg.data, meta)}
+    fast = Roller(info.target_cfg, cfg.data, meta)
+    if fast.decoder is not None:
+        rollers["data_stage[fast]"] = fast
+    else:
+        print(f"data_stage[fast]: not run ({fast.why_not_fast})")
+    plain = rollers["data_stage[hf]"]
+    warm = prompts[:min(2, len(prompts))]
+    for roller in rollers.values():  # warm up every path
+        roller(warm)
+    hf_generate(plain, warm, cfg.data.batch_size, 4, cfg.data.temperature)
 
-    t0 = time.perf_counter()
-    hf_tokens = hf_generate(roller, prompts, cfg.data.batch_size, cfg.data.max_new_tokens, cfg.data.temperature)
-    hf_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    records = roller(prompts)
-    ds_s = time.perf_counter() - t0
-    ds_tokens = sum(int(r.loss_mask.sum()) for r in records)
-    hf_tps, ds_tps = hf_tokens / hf_s, ds_tokens / ds_s
-    print(f"target: {info.num_layers} layers, hidden {info.hidden_size}; {len(prompts)} prompts, "
+    print(f"target: {info.info.num_layers} layers, hidden {info.info.hidden_size}; {len(prompts)} prompts, "
           f"batch {cfg.data.batch_size}, max_new_tokens {cfg.data.max_new_tokens}, "
           f"threads {torch.get_num_threads()}, storage {cfg.data.storage}")
-    print(f"hf_generate : {hf_tokens:6d} tokens in {hf_s:7.2f} s = {hf_tps:8.1f} tok/s")
-    print(f"data_stage  : {ds_tokens:6d} tokens in {ds_s:7.2f} s = {ds_tps:8.1f} tok/s "
-          f"(generate {roller.seconds['generate']:.2f} s, capture {roller.seconds['capture']:.2f} s)")
-    print(f"ratio data_stage/hf_generate = {ds_tps / hf_tps:.2f}x; "
-          f"capture share = {roller.seconds['capture'] / ds_s:.1%}")
+    t0 = time.perf_counter()
+    hf_tokens = hf_generate(plain, prompts, cfg.data.batch_size, cfg.data.max_new_tokens, cfg.data.temperature)
+    hf_s = time.perf_counter() - t0
+    hf_tps = hf_tokens / hf_s
+    print(f"hf_generate      : {hf_tokens:6d} tokens in {hf_s:7.2f} s = {hf_tps:8.1f} tok/s")
+    outputs = {}
+    for name, roller in rollers.items():
+        roller.seconds = {"generate": 0.0, "capture": 0.0}
+        t0 = time.perf_counter()
+        outputs[name] = records = roller(prompts)
+        took = time.perf_counter() - t0
+        tokens = sum(int(r.loss_mask.sum()) for r in records)
+        print(f"{name:17s}: {tokens:6d} tokens in {took:7.2f} s = {tokens / took:8.1f} tok/s "
+              f"({tokens / took / hf_tps:.2f}x hf_generate; generate {roller.seconds['generate']:.2f} s, "
+              f"capture {roller.seconds['capture']:.2f} s)")
+    if len(outputs) == 2:
+        a, b = outputs.values()
+        same = sum(x.input_ids.tolist() == y.input_ids.tolist() for x, y in zip(a, b))
+        print(f"same tokens, fast vs hf path: {same} of {len(a)} records")
     if args.ray:
         from components.cluster import init_ray
         from components.data.build import build_shards

@@ -95,16 +95,20 @@ def capture(target: Any, prompts: Sequence[Prompt], responses: Sequence[Sequence
                          layer_ids=list(meta.layer_ids))
     hidden = out.hidden.float().cpu().numpy()  # [B, T, n, H]
     last = out.last_hidden.float().cpu().numpy()  # [B, T, H]
-    records = []
-    for b, (p, s) in enumerate(zip(prompts, seqs)):
-        T = len(s)
-        h, hs = encode(hidden[b, :T], meta.storage)
-        lh, ls = encode(last[b, :T], meta.storage)
-        loss_mask = np.zeros(T, dtype=np.uint8)
-        loss_mask[len(p.input_ids):] = 1
-        records.append(Record(p.prompt_id, np.asarray(s, dtype=np.int32), loss_mask, h, lh, hs, ls,
-                              len(p.input_ids), p.seed))
-    return records
+    return [to_record(p, seq, hidden[b], last[b], meta) for b, (p, seq) in enumerate(zip(prompts, seqs))]
+
+
+def to_record(prompt: Prompt, tokens: Sequence[int], hidden: np.ndarray, last: np.ndarray,
+              meta: RecordMeta) -> Record:
+    """A record of ``prompt`` + its response (``tokens``: the whole sequence) and their hidden
+    states (float32 [≥T, n, H] and [≥T, H]; rows past T are padding), encoded to ``meta.storage``."""
+    t = len(tokens)
+    h, hs = encode(hidden[:t], meta.storage)
+    lh, ls = encode(last[:t], meta.storage)
+    loss_mask = np.zeros(t, dtype=np.uint8)
+    loss_mask[len(prompt.input_ids):] = 1
+    return Record(prompt.prompt_id, np.asarray(tokens, dtype=np.int32), loss_mask, h, lh, hs, ls,
+                  len(prompt.input_ids), prompt.seed)
 
 
 class VllmGenerator:
@@ -128,19 +132,26 @@ class VllmGenerator:
 
 
 class Roller:
-    """Target (+ optional vLLM) held by one actor: prompts → records, with timings."""
+    """Target (+ optional vLLM) held by one actor: prompts → records, with timings. With the
+    transformers backend, where ``target.step`` chooses the fast step, the rollouts run on it
+    (``slab_rollout``: a continuous batch of ``data.batch_size`` rows, hidden states captured as
+    they are computed); else ``generate`` then ``capture``."""
 
     def __init__(self, target_cfg: TargetConfig, data_cfg: DataConfig, meta: RecordMeta):
         from components.target import load_target
-        from components.target.fast import stream_linears
+        from components.target.fast import KernelGemm, wanted_kernel
+        from components.target.step import StaticDecoder
         from components.target.tokenizer import stop_token_ids
 
         if data_cfg.torch_threads > 0:
             torch.set_num_threads(data_cfg.torch_threads)
         self.cfg, self.meta = data_cfg, meta
         self.target = load_target(target_cfg, progress=False)
-        if data_cfg.backend == "transformers":  # its decode steps: a few rows a product
-            stream_linears(self.target, target_cfg)
+        self.decoder: StaticDecoder | None = None
+        kernel, self.why_not_fast = wanted_kernel(self.target, target_cfg)
+        if data_cfg.backend == "transformers" and kernel is not None:
+            self.decoder = StaticDecoder(self.target.model, meta.layer_ids, target_cfg.static_len, KernelGemm(kernel),
+                                         kernel)
         tok = self.target.tokenizer
         self.stop_ids = [i for i in stop_token_ids(tok) if i is not None and i >= 0] or [tok.eos_token_id]
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.stop_ids[0]
@@ -150,6 +161,14 @@ class Roller:
     def __call__(self, prompts: Sequence[Prompt],
                  on_batch: Callable[[list[Record]], None] | None = None) -> list[Record]:
         """Records of ``prompts``, rolled out ``data.batch_size`` at a time (``on_batch`` after each)."""
+        if self.decoder is not None:
+            from components.data.slab_rollout import slab_rollouts
+
+            t0 = time.perf_counter()
+            records = slab_rollouts(self.decoder, prompts, self.cfg, self.stop_ids, self.meta, self.cfg.batch_size,
+                                    on_batch)
+            self.seconds["generate"] += time.perf_counter() - t0  # capture is inside generation
+            return records
         records: list[Record] = []
         for i in range(0, len(prompts), self.cfg.batch_size):
             batch = prompts[i:i + self.cfg.batch_size]

@@ -123,12 +123,13 @@ class StaticDecoder(nn.Module):
         cos, sin = inner.rotary_emb(w.new_zeros(1, 1, s.hidden), torch.arange(capacity, device=w.device).unsqueeze(0))
         self.cos, self.sin = cos[0].to(w.dtype).contiguous(), sin[0].to(w.dtype).contiguous()
 
-    def new_slab(self, rows: int) -> tuple[list[Tensor], list[Tensor]]:
-        """Keys and values, one [rows, h_kv, capacity, d] per layer, uninitialised: a pass writes
-        its slots start..end-1 before it reads slots 0..end-1, so no slot is read unwritten
-        (and a request does not pay for zeroing the whole slab)."""
+    def new_slab(self, rows: int, slots: int | None = None) -> tuple[list[Tensor], list[Tensor]]:
+        """Keys and values, one [rows, h_kv, slots, d] per layer (default: ``capacity`` slots, at
+        most that many), uninitialised: a pass writes its slots start..end-1 before it reads
+        slots 0..end-1, so no slot is read unwritten (and a request does not pay for zeroing
+        the whole slab)."""
         s, w = self.shape, self.embed.weight
-        size = (rows, s.kv_heads, self.capacity, s.head_dim)
+        size = (rows, s.kv_heads, min(slots or self.capacity, self.capacity), s.head_dim)
         return [w.new_empty(size) for _ in range(s.layers)], [w.new_empty(size) for _ in range(s.layers)]
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
@@ -175,19 +176,56 @@ class StaticDecoder(nn.Module):
 
     def _forward_kernels(self, ids: Tensor, start: int, k: list[Tensor],
                          v: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """``forward`` for one sequence, each layer one kernel call (positions = slots)."""
+        """``forward`` for one sequence through the kernel (positions = slots)."""
         t = ids.shape[1]
-        x = self.embed(ids)[0].contiguous()  # [T, H], changed in place layer by layer
+        seq = torch.zeros(t, dtype=torch.long)
+        pos = torch.arange(start, start + t)
+        logits, taps, last = self.forward_rows(ids[0], seq, pos, k, v)
+        return logits.unsqueeze(0), taps.unsqueeze(0), last.unsqueeze(0)
+
+    def forward_rows(self, ids: Tensor, seq: Tensor, pos: Tensor, k: list[Tensor],
+                     v: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """New tokens of several sequences, flattened: row t is token ``ids[t]`` of sequence
+        ``seq[t]`` (its row of the slab k/v, per layer [B, h_kv, S, d]) at position and slot
+        ``pos[t]``; it attends to that sequence's slots 0..pos[t] (rows of one sequence see each
+        other causally) → logits [T, V], taps [T, n, H], last [T, H]. Each layer is one kernel
+        call where ``kernels`` is set (float32), else torch ops with a per-row attention loop
+        (a reference, slow)."""
+        s, t = self.shape, ids.shape[0]
+        x = self.embed(ids).contiguous()  # [T, H], changed in place layer by layer
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            self.kernels.layer(x, start, self.shape, layer, k[i], v[i], self.cos, self.sin)
+            if self.kernels is not None and x.dtype == torch.float32:
+                self.kernels.layer(x, seq, pos, s, layer, k[i], v[i], self.cos, self.sin)
+            else:
+                x = self._layer_rows(x, seq, pos, layer, k[i], v[i])
             if i in self.taps:
                 taps[i] = x.clone()
-        x = x.unsqueeze(0)  # [1, T, H]
-        stacked = (torch.stack([taps[i] for i in self.taps], dim=1).unsqueeze(0) if self.taps
-                   else x.new_zeros(1, t, 0, self.shape.hidden))
+        stacked = torch.stack([taps[i] for i in self.taps], dim=1) if self.taps else x.new_zeros(t, 0, s.hidden)
         logits = self.gemm(self._norm(x, self.final_norm), self.head_weight)
         return logits, stacked, x
+
+    def _layer_rows(self, x: Tensor, seq: Tensor, pos: Tensor, layer: _Layer, k: Tensor, v: Tensor) -> Tensor:
+        """One layer of ``forward_rows`` in torch ops: x [T, H] → [T, H]."""
+        s, t = self.shape, x.shape[0]
+        heads = s.heads + s.kv_heads
+        qkv = self.gemm(self._norm(x, layer.norm1), layer.qkv).view(t, heads + s.kv_heads, s.head_dim)
+        qk, vv = qkv[:, :heads], qkv[:, heads:]
+        if s.qk_norm:
+            qk = torch.cat([self._norm(qk[:, :s.heads], layer.q_norm), self._norm(qk[:, s.heads:], layer.k_norm)], dim=1)
+        qk = _rope(qk, self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1))  # [T, hq + h_kv, d]
+        k[seq, :, pos] = qk[:, s.heads:]
+        v[seq, :, pos] = vv
+        out = []
+        for r in range(t):
+            n = int(pos[r]) + 1
+            out.append(F.scaled_dot_product_attention(qk[r:r + 1, :s.heads].transpose(0, 1)[None], k[seq[r], :, :n][None],
+                                                      v[seq[r], :, :n][None], scale=s.head_dim ** -0.5,
+                                                      enable_gqa=s.kv_heads != s.heads)[0])  # [hq, 1, d]
+        o = torch.cat(out, dim=1).transpose(0, 1).reshape(t, s.heads * s.head_dim)
+        x = x + self.gemm(o, layer.o)
+        gate, up = self.gemm(self._norm(x, layer.norm2), layer.gate_up).chunk(2, dim=-1)
+        return x + self.gemm(F.silu(gate) * up, layer.down)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Kernels of our own, built from C source with the machine's compiler at first use.
 
-* ``layer.c``     -- one Llama-family decoder layer for one sequence, in place, in one call
+* ``layer.c``     -- one Llama-family decoder layer for the new tokens of one or more
+  sequences (each row its own sequence and position in a static KV slab), in place, in one call
   (``RowsGemm.layer``, packed weights): at decode sizes torch's per-op dispatch costs more than
   the arithmetic;
 * ``rows_gemm.c`` -- y = x wᵀ for a few rows x (a decode step or a verify pass: 1..17 rows):
@@ -87,7 +88,8 @@ class RowsGemm:
         self._pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         self._fn.restype = self._packed.restype = self._pack.restype = None
         self._layer = lib.llama_layer
-        self._layer.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 10
+        self._layer.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
+                                + [ctypes.c_float] + [ctypes.c_void_p] * 10
                                 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int])
         self._layer.restype = None
 
@@ -114,22 +116,27 @@ class RowsGemm:
                     os.unlink(tmp)
         return cls(ctypes.CDLL(str(path)), path)
 
-    def layer(self, x: Tensor, start: int, shape: Any, weights: Any, k: Tensor, v: Tensor, cos: Tensor,
-              sin: Tensor, threads: int | None = None) -> None:
-        """Runs one decoder layer (``layer.c``) in place on ``x`` [T, H] (contiguous float32), its
-        keys/values written into ``k``/``v`` [1, h_kv, S, d] at slots start..; ``shape``:
-        ``step.Shape``; ``weights``: ``step._Layer`` with its products' weights packed; cos/sin [S, d]."""
+    def layer(self, x: Tensor, seq: Tensor, pos: Tensor, shape: Any, weights: Any, k: Tensor, v: Tensor,
+              cos: Tensor, sin: Tensor, threads: int | None = None) -> None:
+        """Runs one decoder layer (``layer.c``) in place on ``x`` [T, H] (contiguous float32): row t
+        is a new token of sequence ``seq[t]`` (a row of the slab ``k``/``v`` [B, h_kv, S, d],
+        contiguous) at position and slot ``pos[t]`` (both int64 [T]); its key/value is written
+        there and it attends to slots 0..pos[t] of its sequence. ``shape``: ``step.Shape``;
+        ``weights``: ``step._Layer`` with its products' weights packed; cos/sin [S, d]."""
         w = weights
         products = (w.qkv, w.o, w.gate_up, w.down)
         if not all(isinstance(p, PackedWeight) for p in products):
             raise KernelUnavailable("RowsGemm.layer takes packed weights (RowsGemm.pack)")
+        if not (k.is_contiguous() and v.is_contiguous() and seq.dtype == pos.dtype == torch.int64):
+            raise KernelUnavailable("RowsGemm.layer takes a contiguous slab and int64 seq/pos")
 
         def ptr(t: Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
-        self._layer(x.data_ptr(), x.shape[0], start, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
-                    w.down.shape[1], shape.eps, ptr(w.norm1), ptr(w.qkv.panels), ptr(w.q_norm), ptr(w.k_norm),
-                    ptr(w.o.panels), ptr(w.norm2), ptr(w.gate_up.panels), ptr(w.down.panels), k.data_ptr(),
-                    v.data_ptr(), k.shape[2], cos.data_ptr(), sin.data_ptr(), threads or torch.get_num_threads())
+        self._layer(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads, shape.kv_heads,
+                    shape.head_dim, w.down.shape[1], shape.eps, ptr(w.norm1), ptr(w.qkv.panels), ptr(w.q_norm),
+                    ptr(w.k_norm), ptr(w.o.panels), ptr(w.norm2), ptr(w.gate_up.panels), ptr(w.down.panels),
+                    k.data_ptr(), v.data_ptr(), k.shape[2], cos.data_ptr(), sin.data_ptr(),
+                    threads or torch.get_num_threads())
 
     @staticmethod
     def _check(*tensors: Tensor) -> None:

@@ -1,11 +1,16 @@
-/* One decoder layer of a Llama-family model (Llama, Qwen3's q/k norms) for one sequence, in
- * place on x [T, H]: the T new tokens sit at slots start..start+T-1 of this layer's KV cache
- * (kc/vc [h_kv, S, d]) and at positions start.. (RoPE: cos/sin tables [S, d]). One call per
- * layer replaces ~25 torch ops whose dispatch costs more than their arithmetic at decode sizes.
+/* One decoder layer of a Llama-family model (Llama, Qwen3's q/k norms), in place on x [T, H]:
+ * T new tokens of one or more sequences, flattened. Row t belongs to sequence seq[t] (its row of
+ * this layer's KV slab kc/vc [B, h_kv, S, d]) and sits at position pos[t], which is also its
+ * cache slot (RoPE: cos/sin tables [S, d]). One sequence's verify pass is seq = 0.., pos =
+ * start..start+T-1; a batch's decode step is one row per sequence. One call per layer replaces
+ * ~25 torch ops whose dispatch costs more than their arithmetic at decode sizes.
  *
  *   h = rms(x) * norm1;  q|k|v = h Wqkvᵀ;  (q, k: rms per head * q_norm/k_norm);  RoPE(q, k)
- *   cache[start + t] = k, v;  a = softmax(q kᵀ / sqrt(d)) v over slots 0..start + t (causal)
+ *   cache[seq[t], pos[t]] = k, v;  a = softmax(q kᵀ / sqrt(d)) v over slots 0..pos[t] of seq[t]
  *   x += a Woᵀ;  h = rms(x) * norm2;  g|u = h Wguᵀ;  x += (silu(g) * u) Wdownᵀ
+ *
+ * Every row's keys/values are written before any row attends, so rows of one sequence see each
+ * other causally (a row reads slots up to its own position, whatever the call order).
  *
  * The weights come packed (rows_gemm_pack: panels of 16 rows) and their products are
  * rows_gemm_packed (rows_gemm.c); attention runs one (head, token) per
@@ -57,12 +62,13 @@ static void rope(float *v, const float *c, const float *s, int64_t d) {
     }
 }
 
-void llama_layer(float *x, int64_t T, int64_t start, int64_t H, int64_t hq, int64_t hkv, int64_t d,
+void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, int64_t H, int64_t hq, int64_t hkv, int64_t d,
                  int64_t inter, float eps, const float *norm1, const float *wqkv, const float *q_norm,
                  const float *k_norm, const float *wo, const float *norm2, const float *wgu,
                  const float *wdown, float *kc, float *vc, int64_t S, const float *cos, const float *sin,
                  int threads) {
-    int64_t width = (hq + 2 * hkv) * d, group = hq / hkv, span = start + T;
+    int64_t width = (hq + 2 * hkv) * d, group = hq / hkv, span = 0;
+    for (int64_t t = 0; t < T; t++) span = pos[t] + 1 > span ? pos[t] + 1 : span;
     float scale = 1.f / sqrtf((float)d);
     float *h = malloc(sizeof(float) * T * H);
     float *qkv = malloc(sizeof(float) * T * width);
@@ -75,7 +81,7 @@ void llama_layer(float *x, int64_t T, int64_t start, int64_t H, int64_t hq, int6
     rows_gemm_packed(h, wqkv, qkv, T, H, width, threads);
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * width;
-        const float *c = cos + (start + t) * d, *s = sin + (start + t) * d;
+        const float *c = cos + pos[t] * d, *s = sin + pos[t] * d;
         for (int64_t j = 0; j < hq + hkv; j++) {
             float *v = row + j * d;
             const float *nw = j < hq ? q_norm : k_norm;
@@ -83,24 +89,26 @@ void llama_layer(float *x, int64_t T, int64_t start, int64_t H, int64_t hq, int6
             rope(v, c, s, d);
         }
         for (int64_t g = 0; g < hkv; g++) {
-            memcpy(kc + (g * S + start + t) * d, row + (hq + g) * d, sizeof(float) * d);
-            memcpy(vc + (g * S + start + t) * d, row + (hq + hkv + g) * d, sizeof(float) * d);
+            int64_t at = ((seq[t] * hkv + g) * S + pos[t]) * d;
+            memcpy(kc + at, row + (hq + g) * d, sizeof(float) * d);
+            memcpy(vc + at, row + (hq + hkv + g) * d, sizeof(float) * d);
         }
     }
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t it = 0; it < hq * T; it++) {
-        int64_t head = it / T, t = it % T, g = head / group, n = start + t + 1;
+        int64_t head = it / T, t = it % T, n = pos[t] + 1;
         const float *q = qkv + t * width + head * d;
+        const float *ks = kc + (seq[t] * hkv + head / group) * S * d, *vs = vc + (seq[t] * hkv + head / group) * S * d;
         float *sc = scores + it * span, *out = att + t * hq * d + head * d;
         float top = -INFINITY, sum = 0.f;
         for (int64_t j = 0; j < n; j++) {
-            sc[j] = dot(q, kc + (g * S + j) * d, d) * scale;
+            sc[j] = dot(q, ks + j * d, d) * scale;
             top = sc[j] > top ? sc[j] : top;
         }
         for (int64_t j = 0; j < n; j++) sum += (sc[j] = expf(sc[j] - top));
         memset(out, 0, sizeof(float) * d);
         for (int64_t j = 0; j < n; j++) {
-            const float *vr = vc + (g * S + j) * d;
+            const float *vr = vs + j * d;
             float p = sc[j] / sum;
             for (int64_t i = 0; i < d; i++) out[i] += p * vr[i];
         }
