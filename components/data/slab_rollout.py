@@ -67,7 +67,7 @@ def slab_rollouts(decoder: StaticDecoder, prompts: Sequence[Prompt], cfg: DataCo
                          f"{cfg.max_new_tokens} is past the fast step's {decoder.capacity} slots (target.static_len)")
     rows = max(1, min(rows, len(prompts)))
     k, v = decoder.new_slab(rows, slots=longest)
-    stops = set(int(i) for i in stop_ids)
+    stops = {int(i) for i in stop_ids}
     waiting = list(enumerate(prompts))[::-1]  # popped from the end: prompts in order
     live: dict[int, _Row] = {}  # slab row -> prompt in flight
     done: dict[int, Record] = {}

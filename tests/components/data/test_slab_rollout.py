@@ -108,7 +108,7 @@ def test_rows_of_a_multi_sequence_pass_equal_one_sequence_at_a_time(tiny_target,
         # one row for sequences 0 and 2, two rows (causal) for sequence 1
         ids = torch.stack([seqs[0][5], seqs[1][9], seqs[1][10], seqs[2][3]])
         seq, pos = torch.tensor([0, 1, 1, 2]), torch.tensor([5, 9, 10, 3])
-        logits, taps, last = decoder.forward_rows(ids, seq, pos, k, v)
+        logits, taps, _ = decoder.forward_rows(ids, seq, pos, k, v)
         for r, (b, upto) in enumerate([(0, 6), (1, 10), (1, 11), (2, 4)]):
             alone, alone_taps, _ = decoder.forward_rows(seqs[b][:upto], torch.zeros(upto, dtype=torch.long),
                                                         torch.arange(upto), k1, v1)
