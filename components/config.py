@@ -185,6 +185,11 @@ class DrafterConfig:
     store_shared: bool = False  # also store frozen copies of embedding + LM head in checkpoints
     # DFlash/DSpark: a learned E_carry added to rejected target states (the carryover objective sets it)
     carryover: bool = False
+    # A head start (DFlash/DSpark): draft layer i starts as a copy of the target's decoder layer
+    # L − n + i (its last n layers), the fusion as the deepest tap passed through; training
+    # starts from there instead of random weights. Only where the draft layers have the target's
+    # shapes (no num_heads / intermediate_size / ... overrides).
+    init_from_target: bool = False
     # Reduced draft vocabulary (EAGLE-3's d2t/t2d, components/drafters/vocab.py): drafts are read out
     # over this many target tokens only, the most frequent response tokens of the training rollouts
     # (+ special/stop tokens); the target still verifies over its full vocabulary (lossless).

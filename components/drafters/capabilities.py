@@ -46,6 +46,7 @@ class Capability(str, Enum):
     CAUSAL_TREE_HEAD = "causal_tree_head"  # causal_tree_head: path-dependent scores for token trees
     BLOCK_INTERNALS = "block_internals"  # BlockInternals: the block backbone the objectives unroll
     SLOT_HEADS = "slot_heads"  # markov_head / confidence_head modules the exporters write
+    HEAD_START = "head_start"  # head_start: draft layers initialised from the target's last layers
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -62,6 +63,7 @@ _METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.BLOCK_INTERNALS: ("backbone", "max_speculative_tokens", "target_context", "block_states",
                                  "draft_states", "block_output", "sample_readout", "train_readout"),
     Capability.SLOT_HEADS: ("markov_head", "confidence_head"),
+    Capability.HEAD_START: ("head_start",),
 }
 
 

@@ -297,10 +297,39 @@ class DFlashDrafter(Drafter):
 
     def capabilities(self) -> frozenset[Capability]:
         caps = {Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.OWN_CONTEXT,
-                Capability.BLOCK_INTERNALS}
+                Capability.BLOCK_INTERNALS, Capability.HEAD_START}
         if self.cfg.carryover:  # carry_embed exists only then
             caps.add(Capability.CARRYOVER)
         return frozenset(caps)
+
+    @torch.no_grad()
+    def head_start(self, model: nn.Module) -> None:
+        """Initialises the backbone from the target ``model`` (an HF Llama/Qwen3-style decoder):
+        draft layer i ← target layer L − n + i (norms, q/k/v/o, MLP; q/k norms where the target
+        has them, else they stay ones), ``fc`` passes the deepest tap through (identity on its
+        slice, zero elsewhere), ``hidden_norm`` ← the first copied layer's input norm (the norm
+        the target applies before that layer's k/v), ``norm`` ← the target's final norm. So a
+        block's first slot starts as the target's last layers reading the target's own states."""
+        layers, n = model.model.layers, len(self.backbone.layers)
+        if n > len(layers):
+            raise DrafterError(f"drafter.init_from_target: {n} draft layers, the target has {len(layers)}")
+        for mine, theirs in zip(self.backbone.layers, layers[len(layers) - n:]):
+            state = {k: v for k, v in theirs.state_dict().items() if "rotary" not in k}
+            own = mine.state_dict()
+            bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
+                   if k in own and v.shape != own[k].shape]
+            unknown = sorted(set(state) - set(own))
+            if bad or unknown:
+                raise DrafterError(f"drafter.init_from_target: the draft layers are not the target's shape "
+                                   f"({'; '.join(bad[:3]) or 'unknown weights ' + ', '.join(unknown[:3])}); drop the "
+                                   "drafter size overrides or set drafter.init_from_target: false")
+            mine.load_state_dict(state, strict=False)  # q_norm/k_norm missing on Llama targets: kept ones
+        h = self.sizes.hidden_size
+        deepest = max(range(len(self.layer_ids)), key=lambda i: self.layer_ids[i])
+        self.backbone.fc.weight.zero_()
+        self.backbone.fc.weight[:, deepest * h:(deepest + 1) * h] = torch.eye(h)
+        self.backbone.hidden_norm.weight.copy_(self.backbone.layers[0].input_layernorm.weight)
+        self.backbone.norm.weight.copy_(model.model.norm.weight)
 
     def with_carry(self, state: DraftState, hidden_rej: Tensor, start_position: int) -> DraftState:
         """Carryover rows from the target taps hidden_rej [B, k, n, H] of rejected drafts:

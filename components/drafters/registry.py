@@ -26,6 +26,7 @@ from components.drafters.base import (
     TargetInfo,
     resolved,
 )
+from components.drafters.capabilities import Capability, require
 from components.drafters.layers import LayerSizes
 from components.drafters.vocab import select_draft_vocab, special_token_ids
 
@@ -128,10 +129,14 @@ def build_from_spec(spec: DrafterSpec, target: Any) -> Drafter:
 
 
 def build_drafter(cfg: DrafterConfig, target: Any, token_counts: Tensor | None = None) -> Drafter:
-    """A freshly initialised drafter for ``target`` (the trainer's entry point). With
+    """A freshly initialised drafter for ``target`` (the trainer's entry point; with
+    ``drafter.init_from_target``, its layers start as the target's last ones). With
     ``drafter.draft_vocab_size``, ``token_counts`` [V] (response tokens of the training rollouts)
     choose its vocabulary; without them it stays to be chosen (:func:`with_draft_vocab`)."""
     drafter = build_from_spec(resolve_spec(cfg, target), target)
+    if cfg.init_from_target:
+        require(drafter, "drafter.init_from_target", Capability.HEAD_START)
+        drafter.head_start(target.model)
     if drafter.vocab is not None and token_counts is not None:
         with_draft_vocab(drafter, target, token_counts)
     return drafter

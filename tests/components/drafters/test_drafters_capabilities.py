@@ -10,9 +10,10 @@ from components.drafters.registry import DRAFTERS
 
 EXPECTED = {  # name -> capabilities with the test config below (carryover off, linear Markov head)
     "dflash": {Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.OWN_CONTEXT,
-               Capability.BLOCK_INTERNALS},
+               Capability.BLOCK_INTERNALS, Capability.HEAD_START},
     "dspark": {Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.OWN_CONTEXT,
-               Capability.BLOCK_INTERNALS, Capability.SLOT_HEADS, Capability.CAUSAL_TREE_HEAD},
+               Capability.BLOCK_INTERNALS, Capability.SLOT_HEADS, Capability.CAUSAL_TREE_HEAD,
+               Capability.HEAD_START},
     "eagle3": {Capability.BATCHED_PROPOSE},
     "medusa": {Capability.BATCHED_PROPOSE},
     "mtp": {Capability.BATCHED_PROPOSE},
