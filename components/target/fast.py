@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from components.config import TINY_TARGET, TargetConfig
+from components.engine.cache.slots import SlotCache, SlotPool
 from components.target.hf import Target, TargetError, TargetOutput
 from components.target.kernels import (
     KernelUnavailable,
@@ -66,7 +67,11 @@ class KernelGemm:
 
 
 class StepTarget(Target):
-    """``target``'s model behind the static-slab decoder; ``gemm`` does its weight products."""
+    """``target``'s model behind the static-slab decoder; ``gemm`` does its weight products.
+    The batch engine keeps its running batch in rows of one slab (``slot_pool``, ``SlotCache``):
+    a round is one pass over every row's new tokens, each row at its own positions."""
+
+    batch_cache = "slots"
 
     def __init__(self, target: Target, taps: Sequence[int] = (), capacity: int = 2048,
                  gemm: Callable[[Tensor, Any], Tensor] | None = None, kernels: Any = None):
@@ -78,6 +83,41 @@ class StepTarget(Target):
     def new_cache(self) -> StaticCache:
         return StaticCache(*self.decoder.new_slab(1))
 
+    def slot_pool(self, rows: int) -> SlotPool:
+        """A slab of ``rows`` sequences of ``capacity`` slots each, for the batch engine."""
+        return SlotPool(*self.decoder.new_slab(rows))
+
+    def prefill_slot(self, pool: SlotPool, input_ids: Tensor, layer_ids: Sequence[int] = ()) -> TargetOutput:
+        """One sequence's prompt ``input_ids`` [1, P] into a free row of ``pool`` → logits
+        [1, P, V], taps of ``layer_ids``, and ``cache``: a ``SlotCache`` of that one row."""
+        count = input_ids.shape[1]
+        if count > pool.slots:
+            raise TargetError(f"target.static_len: a prompt of {count} tokens is past the fast step's {pool.slots} "
+                              "cache slots; raise target.static_len (or set target.step: hf)")
+        row = pool.acquire()
+        view = [x[row:row + 1] for x in pool.k], [x[row:row + 1] for x in pool.v]
+        pos = torch.arange(count, device=input_ids.device).unsqueeze(0)
+        logits, taps, last = self.decoder(input_ids, pos, 0, causal_mask(0, count, input_ids.device), *view)
+        return TargetOutput(logits, self._pick(taps, layer_ids), last, SlotCache(pool, [row], [count]))
+
+    def _pick(self, taps: Tensor, layer_ids: Sequence[int]) -> Tensor | None:  # [..., n, H] -> [..., len(ids), H]
+        pick = [self.taps.index(i) for i in self.check_layer_ids(layer_ids)]
+        return taps[..., pick, :] if pick else None
+
+    def _forward_slots(self, input_ids: Tensor, cache: SlotCache, layer_ids: Sequence[int]) -> TargetOutput:
+        """ids [B, W]: row b's W new tokens at slots lengths[b].. of slab row rows[b] (padding
+        past a row's real tokens is computed and never committed) → logits [B, W, V]."""
+        b, w = input_ids.shape
+        if cache.length + w > cache.pool.slots:
+            raise TargetError(f"target.static_len: a sequence of {cache.length + w} tokens is past the fast step's "
+                              f"{cache.pool.slots} cache slots; raise target.static_len (or set target.step: hf)")
+        seq = torch.tensor(cache.rows, dtype=torch.long).repeat_interleave(w)  # [B·W]
+        pos = (torch.tensor(cache.lengths, dtype=torch.long)[:, None] + torch.arange(w)[None, :]).flatten()
+        logits, taps, last = self.decoder.forward_rows(input_ids.flatten(), seq, pos, cache.pool.k, cache.pool.v)
+        picked = self._pick(taps, layer_ids)
+        return TargetOutput(logits.view(b, w, -1), picked.view(b, w, *picked.shape[1:]) if picked is not None else None,
+                            last.view(b, w, -1), cache)
+
     def serves(self, input_ids: Tensor, attention_mask: Tensor | None, layer_ids: Sequence[int], cache: Any,
                position_ids: Tensor | None) -> bool:
         """Whether the static decoder runs this pass (else the transformers forward does)."""
@@ -87,6 +127,8 @@ class StepTarget(Target):
     @torch.no_grad()
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, layer_ids: Sequence[int] = (),
                 cache: Any = None, use_cache: bool = False, position_ids: Tensor | None = None) -> TargetOutput:
+        if isinstance(cache, SlotCache):  # the batch engine's round; its positions are the slots'
+            return self._forward_slots(input_ids, cache, layer_ids)
         if not self.serves(input_ids, attention_mask, layer_ids, cache, position_ids):
             return super().forward(input_ids, attention_mask, layer_ids, cache, use_cache, position_ids)
         if cache is None:
@@ -99,8 +141,7 @@ class StepTarget(Target):
         logits, taps, last = self.decoder(input_ids, pos, start, causal_mask(start, count, input_ids.device),
                                           cache.k, cache.v)
         cache.length = start + count
-        pick = [self.taps.index(i) for i in self.check_layer_ids(layer_ids)]
-        return TargetOutput(logits, taps[:, :, pick] if pick else None, last, cache)
+        return TargetOutput(logits, self._pick(taps, layer_ids), last, cache)
 
     __call__ = forward
 

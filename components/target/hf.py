@@ -100,6 +100,10 @@ def _first_attr(obj: Any, names: Sequence[str]) -> Any:
 class Target:
     """A frozen HF causal LM plus its tokenizer, as drafters and engines see it."""
 
+    # The batch engine's KV cache for this target: "ragged" (an HF cache, ``engine.cache.ragged``)
+    # or "slots" (rows of a static slab, ``engine.cache.slots``: ``fast.StepTarget``).
+    batch_cache = "ragged"
+
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name_or_path: str):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer

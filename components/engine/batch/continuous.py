@@ -34,6 +34,7 @@ step; nothing about tokenization, HTTP or asyncio (``stream.py`` streams on top 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -84,9 +85,12 @@ class BatchEngine:
         self.batch = Batch()
         self.stats = EngineStats()
         self._cancelled: set[str] = set()
-        self.admission = Admission(target, drafter, self.layer_ids, self.settings.preallocate)
+        # a fast-step target keeps the running batch in rows of one static slab (cache.slots)
+        self.pool = target.slot_pool(self.max_batch_size) if target.batch_cache == "slots" else None
+        self.admission = Admission(target, drafter, self.layer_ids, self.settings.preallocate, self.pool)
         self.drafting = Drafting(drafter, self.settings, self.draft_length)
-        self.trees = TreeRounds(target, drafter, self.settings)
+        self.trees = TreeRounds(target, drafter, self.settings if self.pool is None else
+                                dataclasses.replace(self.settings, tree_budget=0))  # trees gather HF cache rows
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -204,7 +208,8 @@ class BatchEngine:
         cache = self.batch.cache
         t0 = time.perf_counter()
         out = self.target.forward(ids, attention_mask=cache.attention_mask(width), layer_ids=self.layer_ids,
-                                  cache=cache.cache, use_cache=True, position_ids=positions)
+                                  cache=cache if self.pool is not None else cache.cache, use_cache=True,
+                                  position_ids=positions)
         sync_device(dev)
         return out.logits, out.hidden, time.perf_counter() - t0
 

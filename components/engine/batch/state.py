@@ -18,6 +18,7 @@ from torch import Tensor
 from components.drafters.base import DEFAULT_SAMPLING, Proposal
 from components.engine.adaptive.rows import RowSurvival
 from components.engine.cache.ragged import RaggedCache
+from components.engine.cache.slots import SlotCache
 from components.engine.core import GenerationResult, SequenceState
 from components.engine.rules import RULES, RoundRandomness, Rule
 from components.spec.sampling import SamplingParams
@@ -126,7 +127,7 @@ class Batch:
     """The running rows, in cache-row order, and their shared cache (None when empty)."""
 
     rows: list[Row] = field(default_factory=list)
-    cache: RaggedCache | None = None
+    cache: RaggedCache | SlotCache | None = None
 
     def remove(self, indices: list[int]) -> None:
         """Drops the rows at ``indices`` and frees their cache rows."""
@@ -135,10 +136,10 @@ class Batch:
         gone = set(indices)
         keep = [i for i in range(len(self.rows)) if i not in gone]
         self.rows = [self.rows[i] for i in keep]
+        if self.cache is not None:
+            self.cache.select(keep)  # frees the rows (a slot cache hands them back to its slab)
         if not keep:
             self.cache = None
-        elif self.cache is not None:
-            self.cache.select(keep)
 
     def join(self, rows: list[Row], cache: RaggedCache) -> None:
         """Appends ``rows`` whose cache rows are ``cache`` (one row each, in order)."""
