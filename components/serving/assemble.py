@@ -1,5 +1,7 @@
 """What one serving replica holds: the target, the served drafter (guarded) and the batch
 engine, built from the config as the eval stage builds them (``load_target``, ``load_drafter``).
+Where ``target.step`` chooses the fast step, the target runs behind it (``fast.step_target``) and
+the batch engine keeps its running batch in the rows of one static KV slab (``cache.slots``).
 
 Engine settings from ``serve``: γ (``num_speculative_tokens``), DLoop ``loop_stages``/``loop_gate``
 (on by default for drafters that draft on their own states: up to 3 stages a round, the adaptive
@@ -42,7 +44,7 @@ from components.engine import (
 from components.serving.fallback import GuardedDrafter
 from components.serving.provenance import DrafterSource
 from components.target import load_target
-from components.target.fast import stream_linears
+from components.target.fast import step_target, stream_linears
 
 
 @dataclass
@@ -64,7 +66,10 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
         torch.set_num_threads(sc.torch_threads)
     target = load_target(dataclasses.replace(target_cfg, name_or_path=target_path), progress=False)
     drafter = _load(source, target)
-    streamed = stream_linears(target, target_cfg, modules=[target.model] + ([drafter] if drafter is not None else []))
+    notes: list[str] = []
+    target = step_target(target, target_cfg, taps=drafter.layer_ids if drafter is not None else (), lines=notes.append)
+    if drafter is not None:  # the drafter's own linears (the target's it shares are left to the step)
+        stream_linears(target, target_cfg, modules=[drafter], keep_target=True)
     stages = _loop_stages(sc, drafter)
     guarded = GuardedDrafter(drafter, target.vocab_size) if drafter is not None else None
     drafting = _settings(sc, guarded, stages, _carryover(sc, drafter))
@@ -76,7 +81,7 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
                 "tree_budget": drafting.tree_budget, "tree_builder": sc.tree_builder, "sampled_rule": sc.sampled_rule,
                 "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
                 "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
-                "streamed_linears": streamed}
+                "target_step": notes[-1] if notes else ""}
     parts = EngineParts(target, guarded, engine, settings, 0.0, drafting)
     if adapt_now:
         adapt(parts, sc)

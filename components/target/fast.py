@@ -83,6 +83,10 @@ class StepTarget(Target):
     def new_cache(self) -> StaticCache:
         return StaticCache(*self.decoder.new_slab(1))
 
+    @property
+    def forward_kind(self) -> str:
+        return f"fast step, {'kernel' if self.decoder.kernels is not None else 'torch'}, {self.capacity} slots"
+
     def slot_pool(self, rows: int) -> SlotPool:
         """A slab of ``rows`` sequences of ``capacity`` slots each, for the batch engine."""
         return SlotPool(*self.decoder.new_slab(rows))

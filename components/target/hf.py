@@ -125,6 +125,13 @@ class Target:
         return len(self.layers)
 
     @property
+    def forward_kind(self) -> str:
+        """What runs this target's passes (part of what a round profile is keyed by): the
+        transformers forward, with or without its linears streamed by the kernel."""
+        streamed = any(type(m).__name__ == "StreamingLinear" for m in self.model.modules())
+        return "transformers, linears streamed" if streamed else "transformers"
+
+    @property
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
 

@@ -166,10 +166,11 @@ def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = 
 
 def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], settings: EngineSettings,
                 context: int = 64, rounds: int = 4, seed: int = 0) -> dict[str, Any]:
-    """What a stored profile was measured for: target, drafter (its declared ``identity()`` and
+    """What a stored profile was measured for: target and what runs its passes, drafter (its declared ``identity()`` and
     the largest cap), batch sizes, engine settings, how it was timed, device, dtype and threads.
     A profile is only reused for an equal key."""
     return {"target": str(getattr(target, "name_or_path", type(target).__name__)),
+            "forward": str(getattr(target, "forward_kind", type(target).__name__)),
             "drafter": f"{drafter.identity()}:{settings.max_cap}",
             "batch_sizes": sorted({int(b) for b in batch_sizes}),
             "engine": settings.describe(), "timing": {"context": context, "rounds": rounds, "seed": seed},

@@ -241,3 +241,31 @@ def test_min_tokens_lets_early_stop_ids_pass_and_stays_lossless(replica, tiny_ta
         out = asyncio.run(_run(replica, body))
         assert (out.token_ids, out.finish_reason) == expected(min_tokens), min_tokens
     assert replica.admitted == 0
+
+
+def test_on_the_fast_step_the_replica_batches_in_slab_rows_losslessly(tiny_target_cfg, tiny_target_build,
+                                                                    serving_drafter, tiny_target):
+    """``target.step: fast``: the replica's target is the static-slab step and its batch engine
+    keeps requests in slab rows; greedy output is still the target's own."""
+    import dataclasses
+
+    from components.target.fast import StepTarget
+    from components.target.kernels import why_unavailable
+    from tests.components.target.test_step import _same_or_near_tie
+
+    if why_unavailable() is not None:
+        pytest.skip(f"kernel: {why_unavailable()}")
+    cfg = dataclasses.replace(tiny_target_cfg, step="fast", static_len=256)
+    parts, served, sc = make_parts(cfg, tiny_target_build, serving_drafter)
+    assert isinstance(parts.target, StepTarget) and parts.engine.pool is not None
+    assert parts.settings["target_step"].startswith("target step: fast")
+    rep = Replica(parts, served, sc.max_queued_requests, drafter_label="test")
+    assert rep.warm_up()
+    try:
+        prompts = prompt_ids(tiny_target, 6)
+        outs = asyncio.run(_many(rep, [_greedy(p) for p in prompts]))
+        for p, o in zip(prompts, outs):
+            _same_or_near_tie(tiny_target, p, o.token_ids, greedy_reference(tiny_target, p, NEW))
+        assert sorted(parts.engine.pool.free) == list(range(parts.engine.pool.rows))
+    finally:
+        rep.shutdown()
