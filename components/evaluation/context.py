@@ -39,8 +39,9 @@ class EvalContext:
     assistant: Any = None  # an HF causal LM with the target's tokenizer, for "hf_assisted"
     assistant_path: str | None = None  # where that assistant is (vLLM loads it: "vllm_draft_model")
     notes: dict[str, dict[str, Any]] = field(default_factory=dict)  # per method: γ, sizes, ...
-    # the target as batch-1 chains run it (plain decoding, the chain engine): the fast step of
-    # ``components.target.fast`` where ``target.step`` chose it, else ``target`` itself
+    # the target as our engines run it (plain decoding, the chain engine, the batch engine on
+    # its slab): the fast step of ``components.target.fast`` where ``target.step`` chose it,
+    # else ``target`` itself
     step: Any = None
 
     @property

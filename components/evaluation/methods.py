@@ -132,7 +132,7 @@ def drafter_adaptive(ctx: EvalContext) -> MethodFn:
     ev, trained = ctx.ev, _trained(ctx, "drafter_adaptive")
     stages = loop_stages_for(trained, ev.loop_stages)
     settings = resolve_settings(trained, ev.num_speculative_tokens, stages, OPEN_GATE, ev.carryover)
-    engine, stored = adaptive_engine(ctx.target, trained, settings, ev.profile_dir, 1, notice=_timing_notice)
+    engine, stored = adaptive_engine(ctx.chain_target, trained, settings, ev.profile_dir, 1, notice=_timing_notice)
     ctx.notes["drafter_adaptive"] = {"num_speculative_tokens": settings.num_speculative_tokens,
                                      "max_cap": settings.max_cap, "loop_stages": stages, "rule": ev.rule,
                                      "round_profile": "stored" if stored.reused else "measured"}

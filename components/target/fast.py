@@ -1,5 +1,6 @@
-"""``StepTarget``: a ``Target`` whose batch-1 passes run the static-slab decoder of ``step.py``
-with the weight-streaming kernel of ``kernels/`` (``target.step: fast``).
+"""``StepTarget``: a ``Target`` whose passes run the static-slab decoder of ``step.py`` with the
+weight-streaming kernel of ``kernels/`` (``target.step: fast``): batch-1 chains, and the batch
+engine's rounds over the rows of one slab (``engine.cache.slots``).
 
     target = load_target(cfg)
     fast = step_target(target, cfg, taps=drafter.layer_ids)   # a StepTarget, or target itself
@@ -11,11 +12,12 @@ rows cost up to twice one row, and per-op overhead adds more; docs/results.md). 
 streams each weight row once for all the pass's rows (``kernels/rows_gemm.c``), keeps its KV
 cache in place (``StaticCache``) and runs fewer ops per layer (``StaticDecoder``).
 
-Passes the decoder does not serve (a batch, an attention mask, explicit position ids, an HF
-cache, taps outside ``taps``) go to the transformers forward, so a ``StepTarget`` is a drop-in
-``Target``: the chain engines and the plain baseline reach the fast path; the tree engine and
-the batch engine (which reorder and gather cache rows in HF caches) keep the transformers one.
-Knows the ``Target`` API and the kernel's loader; nothing about drafters or engines.
+Passes the decoder does not serve (a padded batch with an attention mask, explicit position
+ids, an HF cache, taps outside ``taps``) go to the transformers forward, so a ``StepTarget`` is a
+drop-in ``Target``: the chain engines, the plain baseline and the batch engine (which sees
+``batch_cache == "slots"``) reach the fast path; the tree engine (which gathers cache rows of
+an HF cache) keeps the transformers one. Knows the ``Target`` API, the slot cache's bookkeeping
+and the kernel's loader; nothing about drafters or engines.
 """
 
 from __future__ import annotations
