@@ -78,7 +78,7 @@ def slab_rollouts(decoder: StaticDecoder, prompts: Sequence[Prompt], cfg: DataCo
         count = ids.shape[1]
         pos = torch.arange(count).unsqueeze(0)
         logits, taps, last = decoder(ids, pos, 0, causal_mask(0, count, ids.device),
-                                     [x[slot:slot + 1] for x in k], [x[slot:slot + 1] for x in v])
+                                     [x[slot:slot + 1] for x in k], [x[slot:slot + 1] for x in v], last_only=True)
         row = _Row(order, prompt, torch.Generator().manual_seed(prompt.seed), list(prompt.input_ids))
         row.hidden.append(taps[0]), row.last.append(last[0])
         live[slot] = row

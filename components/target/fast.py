@@ -94,8 +94,8 @@ class StepTarget(Target):
         return SlotPool(*self.decoder.new_slab(rows))
 
     def prefill_slot(self, pool: SlotPool, input_ids: Tensor, layer_ids: Sequence[int] = ()) -> TargetOutput:
-        """One sequence's prompt ``input_ids`` [1, P] into a free row of ``pool`` → logits
-        [1, P, V], taps of ``layer_ids``, and ``cache``: a ``SlotCache`` of that one row."""
+        """One sequence's prompt ``input_ids`` [1, P] into a free row of ``pool`` → logits of its
+        last token [1, 1, V], taps of ``layer_ids``, and ``cache``: a ``SlotCache`` of that one row."""
         count = input_ids.shape[1]
         if count > pool.slots:
             raise TargetError(f"target.static_len: a prompt of {count} tokens is past the fast step's {pool.slots} "
@@ -103,7 +103,8 @@ class StepTarget(Target):
         row = pool.acquire()
         view = [x[row:row + 1] for x in pool.k], [x[row:row + 1] for x in pool.v]
         pos = torch.arange(count, device=input_ids.device).unsqueeze(0)
-        logits, taps, last = self.decoder(input_ids, pos, 0, causal_mask(0, count, input_ids.device), *view)
+        logits, taps, last = self.decoder(input_ids, pos, 0, causal_mask(0, count, input_ids.device), *view,
+                                          last_only=True)
         return TargetOutput(logits, self._pick(taps, layer_ids), last, SlotCache(pool, [row], [count]))
 
     def _pick(self, taps: Tensor, layer_ids: Sequence[int]) -> Tensor | None:  # [..., n, H] -> [..., len(ids), H]

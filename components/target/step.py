@@ -138,15 +138,16 @@ class StaticDecoder(nn.Module):
         return _rms(x, weight, self.shape.eps)
 
     def forward(self, ids: Tensor, pos: Tensor, start: int, mask: Tensor | None, k: list[Tensor],
-                v: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+                v: list[Tensor], last_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """ids/pos [B, T] (pos: the positions RoPE sees), the T new keys/values written at slots
         start..start+T-1 of k/v (per layer [B, h_kv, S, d]); queries read slots 0..start+T-1 under
-        ``mask`` [B, 1, T, start+T] bool (None: T = 1, every slot) → logits [B, T, V], taps
-        [B, T, n, H] (n = len(taps), 0 allowed), last [B, T, H]."""
+        ``mask`` [B, 1, T, start+T] bool (None: T = 1, every slot) → logits [B, T, V] ([B, 1, V]
+        of the last token with ``last_only``: a prefill's), taps [B, T, n, H] (n = len(taps), 0
+        allowed), last [B, T, H]."""
         s = self.shape
         b, t = ids.shape
         if self.kernels is not None and b == 1 and self.embed.weight.dtype == torch.float32:
-            return self._forward_kernels(ids, start, k, v)
+            return self._forward_kernels(ids, start, k, v, last_only)
         end = start + t
         heads = s.heads + s.kv_heads
         cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [B, T, 1, d]
@@ -170,25 +171,26 @@ class StaticDecoder(nn.Module):
             if i in self.taps:
                 taps[i] = x
         stacked = torch.stack([taps[i] for i in self.taps], dim=2) if self.taps else x.new_zeros(b, t, 0, s.hidden)
-        logits = self.gemm(self._norm(x, self.final_norm), self.head_weight)
+        logits = self.gemm(self._norm(x[:, -1:] if last_only else x, self.final_norm), self.head_weight)
         return logits, stacked, x
 
 
-    def _forward_kernels(self, ids: Tensor, start: int, k: list[Tensor],
-                         v: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def _forward_kernels(self, ids: Tensor, start: int, k: list[Tensor], v: list[Tensor],
+                         last_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """``forward`` for one sequence through the kernel (positions = slots)."""
         t = ids.shape[1]
         seq = torch.zeros(t, dtype=torch.long)
         pos = torch.arange(start, start + t)
-        logits, taps, last = self.forward_rows(ids[0], seq, pos, k, v)
+        logits, taps, last = self.forward_rows(ids[0], seq, pos, k, v, last_only)
         return logits.unsqueeze(0), taps.unsqueeze(0), last.unsqueeze(0)
 
-    def forward_rows(self, ids: Tensor, seq: Tensor, pos: Tensor, k: list[Tensor],
-                     v: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def forward_rows(self, ids: Tensor, seq: Tensor, pos: Tensor, k: list[Tensor], v: list[Tensor],
+                     last_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """New tokens of several sequences, flattened: row t is token ``ids[t]`` of sequence
         ``seq[t]`` (its row of the slab k/v, per layer [B, h_kv, S, d]) at position and slot
         ``pos[t]``; it attends to that sequence's slots 0..pos[t] (rows of one sequence see each
-        other causally) → logits [T, V], taps [T, n, H], last [T, H]. Each layer is one kernel
+        other causally) → logits [T, V] ([1, V] of the last row with ``last_only``), taps
+        [T, n, H], last [T, H]. Each layer is one kernel
         call where ``kernels`` is set (float32), else torch ops with a per-row attention loop
         (a reference, slow)."""
         s, t = self.shape, ids.shape[0]
@@ -202,7 +204,7 @@ class StaticDecoder(nn.Module):
             if i in self.taps:
                 taps[i] = x.clone()
         stacked = torch.stack([taps[i] for i in self.taps], dim=1) if self.taps else x.new_zeros(t, 0, s.hidden)
-        logits = self.gemm(self._norm(x, self.final_norm), self.head_weight)
+        logits = self.gemm(self._norm(x[-1:] if last_only else x, self.final_norm), self.head_weight)
         return logits, stacked, x
 
     def _layer_rows(self, x: Tensor, seq: Tensor, pos: Tensor, layer: _Layer, k: Tensor, v: Tensor) -> Tensor:
