@@ -28,7 +28,20 @@ from components.training.padding import supervised_tokens
 from components.training.sharding import check_strategy, full_tensor
 
 Agree = Callable[[bool], bool]  # local flag → all ranks' verdict
-MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}
+
+
+def autocast_dtype(setting: str, device: torch.device | str = "cpu") -> torch.dtype | None:
+    """``train.mixed_precision`` → the autocast dtype of the forward (None: float32). ``auto``:
+    bfloat16 where the device declares native bfloat16 products (a CUDA GPU that supports it; a
+    CPU whose oneDNN has bfloat16 kernels, e.g. AVX-512 BF16 / AMX), else float32."""
+    if setting not in MIXED_PRECISION:
+        raise ValueError(f"train.mixed_precision: '{setting}' is not one of {sorted(MIXED_PRECISION)}")
+    if setting != "auto":
+        return MIXED_PRECISION[setting]
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    return torch.bfloat16 if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -81,9 +94,9 @@ def new_train_state(drafter: Drafter, cfg: TrainConfig, total_steps: int, seed: 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     generator = torch.Generator().manual_seed(seed)
     check_strategy(cfg.strategy)
-    if cfg.mixed_precision not in MIXED_PRECISION:
-        raise ValueError(f"train.mixed_precision: '{cfg.mixed_precision}' is not one of {sorted(MIXED_PRECISION)}")
-    return TrainState(drafter, objective, optimizer, scheduler, generator, autocast=MIXED_PRECISION[cfg.mixed_precision])
+    device = next(drafter.parameters()).device
+    return TrainState(drafter, objective, optimizer, scheduler, generator,
+                      autocast=autocast_dtype(cfg.mixed_precision, device))
 
 
 def _check(ok: bool, agree: Agree | None, what: str, step: int) -> None:

@@ -164,3 +164,13 @@ def test_bf16_autocast_step_keeps_fp32_weights_and_names_bad_settings(setup):
     assert all(p.dtype == torch.float32 for p in state.drafter.parameters())
     with pytest.raises(ValueError, match="train.mixed_precision: 'fp8'"):
         new_train_state(build_drafter(DRAFTER, target), TrainConfig(mixed_precision="fp8"), 5, seed=1)
+
+
+def test_auto_mixed_precision_follows_what_the_device_declares(monkeypatch):
+    """``auto``: bf16 exactly where oneDNN (CPU) or CUDA says bf16 products are native."""
+    from components.training.step import autocast_dtype
+
+    assert autocast_dtype("no") is None and autocast_dtype("bf16") is torch.bfloat16
+    for native in (True, False):
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda native=native: native)
+        assert autocast_dtype("auto", "cpu") is (torch.bfloat16 if native else None)
