@@ -128,3 +128,16 @@ def test_checkpoint_with_an_old_field_name_loads(tiny_target, dr, tmp_path):
     raw["num_drafts"] = raw.pop("num_speculative_tokens")  # written before the rename
     (path / "config.json").write_text(json.dumps(raw))
     assert load_drafter(path, tiny_target).num_speculative_tokens == 5
+
+
+def test_checkpoints_from_before_an_added_field_load_with_its_old_behaviour(tiny_target, dr, tmp_path):
+    """A config.json written before a field existed (``ADDED_FIELDS``) still loads."""
+    from components.drafters.checkpoint import ADDED_FIELDS
+
+    path = save_drafter(dr.make(tiny_target, "dspark"), tmp_path / "d")
+    raw = json.loads((path / "config.json").read_text())
+    for name in ADDED_FIELDS:
+        raw.pop(name, None)
+    (path / "config.json").write_text(json.dumps(raw))
+    loaded = load_drafter(path, tiny_target)
+    assert all(getattr(loaded.cfg, name) == value for name, value in ADDED_FIELDS.items())
