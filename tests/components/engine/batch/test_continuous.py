@@ -54,18 +54,24 @@ def test_mixed_plain_and_speculative_rows(tiny_target, greedy_refs):
     assert all(not r.accepted for i, r in enumerate(results) if i % 2)  # plain rows never drafted
 
 
+def sampled_alone_and_batched(target, rule: str) -> tuple[list[list[int]], list[list[int]]]:
+    """(each sampled request through the batch-1 engine alone, all of them through the batch
+    engine, 4 rows), a random DSpark drafting, on ``target``."""
+    drafter = random_drafter(target, "dspark")
+    sampling = SamplingParams(temperature=0.9)
+    reqs = requests(target, rule=rule, sampling=sampling)
+    for i, r in enumerate(reqs):
+        r.seed = 100 + i
+    single = SpeculativeEngine(target, drafter, rule=rule)
+    expected = [single.generate(r.prompt_ids, r.max_new_tokens, sampling, r.seed).tokens for r in reqs]
+    return expected, [r.tokens for r in BatchEngine(target, drafter, max_batch_size=4).generate(reqs)]
+
+
 @pytest.mark.parametrize("rule", ["speculative", "gumbel", "block"])
 def test_batch_sampling_matches_single_request_engine(tiny_target, rule):
     """Per-request randomness: same seed → same tokens as the batch-1 engine, in any batch."""
-    drafter = random_drafter(tiny_target, "dspark")
-    sampling = SamplingParams(temperature=0.9)
-    reqs = requests(tiny_target, rule=rule, sampling=sampling)
-    for i, r in enumerate(reqs):
-        r.seed = 100 + i
-    single = SpeculativeEngine(tiny_target, drafter, rule=rule)
-    expected = [single.generate(r.prompt_ids, r.max_new_tokens, sampling, r.seed).tokens for r in reqs]
-    got = BatchEngine(tiny_target, drafter, max_batch_size=4).generate(reqs)
-    assert [r.tokens for r in got] == expected
+    expected, got = sampled_alone_and_batched(tiny_target, rule)
+    assert got == expected
 
 
 def test_greedy_rows_verified_together_beside_sampled_rows(tiny_target, greedy_refs):

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.engine import PromptLookupDrafter, SpeculativeEngine, SuffixDrafter
+from components.engine import PromptLookupDrafter, SuffixDrafter
 from components.engine.batch import BatchEngine
 from components.engine.cache.slots import SlotCache, SlotPool, SlotsExhausted
-from components.spec.sampling import SamplingParams
 from components.target.fast import KernelGemm, StepTarget
 from components.target.kernels import RowsGemm, why_unavailable
-from tests.components.engine.batch.test_continuous import requests
+from tests.components.engine.batch.test_continuous import requests, sampled_alone_and_batched
 from tests.components.engine.test_engine_carryover import carry_drafter
 from tests.components.engine.test_engine_greedy import random_drafter
 from tests.components.target.test_step import _same_or_near_tie
@@ -66,16 +65,9 @@ def test_dloop_and_carryover_on_slots_are_lossless(tiny_target, slot_target, gre
 
 
 @pytest.mark.parametrize("rule", ["speculative", "gumbel"])
-def test_sampling_matches_the_single_request_engine_on_the_same_target(tiny_target, slot_target, rule):
-    drafter = random_drafter(tiny_target, "dspark")
-    sampling = SamplingParams(temperature=0.9)
-    reqs = requests(tiny_target, rule=rule, sampling=sampling)
-    for i, r in enumerate(reqs):
-        r.seed = 100 + i
-    single = SpeculativeEngine(slot_target, drafter, rule=rule)
-    expected = [single.generate(r.prompt_ids, r.max_new_tokens, sampling, r.seed).tokens for r in reqs]
-    got = BatchEngine(slot_target, drafter, max_batch_size=4).generate(reqs)
-    assert [r.tokens for r in got] == expected
+def test_sampling_matches_the_single_request_engine_on_the_same_target(slot_target, rule):
+    expected, got = sampled_alone_and_batched(slot_target, rule)
+    assert got == expected
 
 
 def test_cancel_hands_the_row_back_and_others_continue(tiny_target, slot_target, greedy_refs):
