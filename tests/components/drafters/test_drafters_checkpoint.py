@@ -141,3 +141,22 @@ def test_checkpoints_from_before_an_added_field_load_with_its_old_behaviour(tiny
     (path / "config.json").write_text(json.dumps(raw))
     loaded = load_drafter(path, tiny_target)
     assert all(getattr(loaded.cfg, name) == value for name, value in ADDED_FIELDS.items())
+
+
+# DrafterConfig's fields when checkpoints were first written; every field added since must be in
+# ADDED_FIELDS (with the value that gives an older checkpoint its old behaviour), or every older
+# checkpoint stops loading.
+FIRST_FIELDS = {"block_size", "enable_confidence_head", "head_dim", "intermediate_size", "layer_ids", "markov_head",
+                "markov_rank", "mask_token_id", "medusa_heads", "medusa_layers", "mtp_depth", "name", "num_anchors",
+                "num_heads", "num_kv_heads", "num_layers", "num_speculative_tokens", "num_taps", "sample_from_anchor",
+                "store_shared", "ttt_steps"}
+
+
+def test_every_field_added_since_the_first_checkpoints_has_its_old_behaviour():
+    import dataclasses
+
+    from components.config import DrafterConfig
+    from components.drafters.checkpoint import ADDED_FIELDS
+
+    added = {f.name for f in dataclasses.fields(DrafterConfig)} - FIRST_FIELDS
+    assert added <= set(ADDED_FIELDS), f"list {sorted(added - set(ADDED_FIELDS))} in checkpoint.ADDED_FIELDS"
