@@ -20,27 +20,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from components.config import DataConfig, TargetConfig
+from components.data.emit import sample_next, to_record
 from components.data.prompts import Prompt
-from components.data.records import Record, RecordMeta, encode
-
-
-def sample_next(logits: Tensor, temperature: float, top_p: float,
-                generators: Sequence[torch.Generator]) -> Tensor:
-    """logits [B, V] → next tokens [B]; row b draws only from ``generators[b]``."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix reaching top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
+from components.data.records import Record, RecordMeta
+from components.data.slab_rollout import slab_rollouts
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -98,19 +85,6 @@ def capture(target: Any, prompts: Sequence[Prompt], responses: Sequence[Sequence
     return [to_record(p, seq, hidden[b], last[b], meta) for b, (p, seq) in enumerate(zip(prompts, seqs))]
 
 
-def to_record(prompt: Prompt, tokens: Sequence[int], hidden: np.ndarray, last: np.ndarray,
-              meta: RecordMeta) -> Record:
-    """A record of ``prompt`` + its response (``tokens``: the whole sequence) and their hidden
-    states (float32 [≥T, n, H] and [≥T, H]; rows past T are padding), encoded to ``meta.storage``."""
-    t = len(tokens)
-    h, hs = encode(hidden[:t], meta.storage)
-    lh, ls = encode(last[:t], meta.storage)
-    loss_mask = np.zeros(t, dtype=np.uint8)
-    loss_mask[len(prompt.input_ids):] = 1
-    return Record(prompt.prompt_id, np.asarray(tokens, dtype=np.int32), loss_mask, h, lh, hs, ls,
-                  len(prompt.input_ids), prompt.seed)
-
-
 class VllmGenerator:
     """Responses from vLLM's offline ``LLM`` (GPU clusters). Imported lazily; untested on CPU here."""
 
@@ -162,8 +136,6 @@ class Roller:
                  on_batch: Callable[[list[Record]], None] | None = None) -> list[Record]:
         """Records of ``prompts``, rolled out ``data.batch_size`` at a time (``on_batch`` after each)."""
         if self.decoder is not None:
-            from components.data.slab_rollout import slab_rollouts
-
             t0 = time.perf_counter()
             records = slab_rollouts(self.decoder, prompts, self.cfg, self.stop_ids, self.meta, self.cfg.batch_size,
                                     on_batch)

@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 
 from components.config import DataConfig
+from components.data.emit import sample_next, to_record
 from components.data.prompts import Prompt
 from components.data.records import Record, RecordMeta
-from components.data.rollout import sample_next, to_record
 from components.target.step import StaticDecoder, causal_mask
 
 

@@ -4,12 +4,16 @@
   preallocated buffer, so a round appends in place instead of by ``torch.cat``;
 * ``ragged`` -- ``RaggedCache``: one cache for a batch of sequences of different lengths, with a
   mask of the slots that hold committed tokens (holes, left padding, ``compact``, rows that join
-  and leave); ``keep_slots``: a batch-1 token tree's accepted path kept in place.
+  and leave); ``keep_slots``: a batch-1 token tree's accepted path kept in place;
+* ``slots``  -- ``SlotPool``/``SlotCache``: a batch's sequences in the rows of one static KV slab
+  of the fast target step (each its own row: no holes, no padding, nothing copied).
 
-Knows HF's cache layer tensors; nothing about drafters, rules or requests.
+Knows HF's cache layer tensors and slot bookkeeping; nothing about drafters, rules or requests.
 """
 
 from components.engine.cache.ragged import RaggedCache, keep_slots
 from components.engine.cache.slab import MIN_HEADROOM, SlabLayer, preallocate
+from components.engine.cache.slots import SlotCache, SlotPool, SlotsExhausted
 
-__all__ = ["MIN_HEADROOM", "RaggedCache", "SlabLayer", "keep_slots", "preallocate"]
+__all__ = ["MIN_HEADROOM", "RaggedCache", "SlabLayer", "SlotCache", "SlotPool", "SlotsExhausted", "keep_slots",
+           "preallocate"]
