@@ -31,7 +31,7 @@ from components.config import DataConfig
 from components.data.emit import sample_next, to_record
 from components.data.prompts import Prompt
 from components.data.records import Record, RecordMeta
-from components.target.step import StaticDecoder, causal_mask
+from components.target.step import StaticDecoder
 
 
 @dataclass
@@ -51,6 +51,28 @@ class _Row:
         return len(self.tokens) - len(self.prompt.input_ids)
 
 
+def _admit(decoder: StaticDecoder, k: list[Tensor], v: list[Tensor], slot: int, order: int,
+           prompt: Prompt) -> tuple[_Row, Tensor]:
+    """``prompt`` prefilled into slab row ``slot`` → its row in flight (prompt hidden states kept)
+    and its last token's logits [1, V]."""
+    logits, taps, last = decoder.prefill_row(torch.tensor([prompt.input_ids], dtype=torch.long), k, v, slot)
+    row = _Row(order, prompt, torch.Generator().manual_seed(prompt.seed), list(prompt.input_ids))
+    row.hidden.append(taps[0]), row.last.append(last[0])
+    return row, logits[0]
+
+
+def _pick(row: _Row, logits: Tensor, cfg: DataConfig, stops: set[int]) -> None:
+    """Draws the row's next token from logits [1, V] with its own generator; marks the end."""
+    token = int(sample_next(logits, cfg.temperature, cfg.top_p, [row.generator])[0])
+    row.tokens.append(token)
+    row.ended = token in stops or row.response_len >= cfg.max_new_tokens
+
+
+def _record(row: _Row, meta: RecordMeta) -> Record:
+    return to_record(row.prompt, row.tokens, torch.cat(row.hidden).float().numpy(),
+                     torch.cat(row.last).float().numpy(), meta)
+
+
 @torch.no_grad()
 def slab_rollouts(decoder: StaticDecoder, prompts: Sequence[Prompt], cfg: DataConfig, stop_ids: Sequence[int],
                   meta: RecordMeta, rows: int, on_records: Callable[[list[Record]], None] | None = None
@@ -65,31 +87,17 @@ def slab_rollouts(decoder: StaticDecoder, prompts: Sequence[Prompt], cfg: DataCo
     if longest > decoder.capacity:
         raise ValueError(f"a prompt of {longest - cfg.max_new_tokens} tokens + data.max_new_tokens "
                          f"{cfg.max_new_tokens} is past the fast step's {decoder.capacity} slots (target.static_len)")
-    rows = max(1, min(rows, len(prompts)))
-    k, v = decoder.new_slab(rows, slots=longest)
+    k, v = decoder.new_slab(max(1, min(rows, len(prompts))), slots=longest)
     stops = {int(i) for i in stop_ids}
     waiting = list(enumerate(prompts))[::-1]  # popped from the end: prompts in order
     live: dict[int, _Row] = {}  # slab row -> prompt in flight
     done: dict[int, Record] = {}
 
     def admit(slot: int) -> None:
-        order, prompt = waiting.pop()
-        ids = torch.tensor([prompt.input_ids], dtype=torch.long)  # [1, P]
-        count = ids.shape[1]
-        pos = torch.arange(count).unsqueeze(0)
-        logits, taps, last = decoder(ids, pos, 0, causal_mask(0, count, ids.device),
-                                     [x[slot:slot + 1] for x in k], [x[slot:slot + 1] for x in v], last_only=True)
-        row = _Row(order, prompt, torch.Generator().manual_seed(prompt.seed), list(prompt.input_ids))
-        row.hidden.append(taps[0]), row.last.append(last[0])
-        live[slot] = row
-        pick(row, logits[0, -1:])
+        live[slot], logits = _admit(decoder, k, v, slot, *waiting.pop())
+        _pick(live[slot], logits, cfg, stops)
 
-    def pick(row: _Row, logits: Tensor) -> None:  # logits [1, V]
-        token = int(sample_next(logits, cfg.temperature, cfg.top_p, [row.generator])[0])
-        row.tokens.append(token)
-        row.ended = token in stops or row.response_len >= cfg.max_new_tokens
-
-    for slot in range(rows):
+    for slot in range(k[0].shape[0]):
         admit(slot)
     while live:
         slots = sorted(live)
@@ -97,21 +105,15 @@ def slab_rollouts(decoder: StaticDecoder, prompts: Sequence[Prompt], cfg: DataCo
         pos = torch.tensor([len(live[s].tokens) - 1 for s in slots], dtype=torch.long)
         ids = torch.tensor([live[s].tokens[-1] for s in slots], dtype=torch.long)
         logits, taps, last = decoder.forward_rows(ids, seq, pos, k, v)  # [R, V], [R, n, H], [R, H]
-        finished = []
+        records = []
         for r, slot in enumerate(slots):
             row = live[slot]
             row.hidden.append(taps[r:r + 1]), row.last.append(last[r:r + 1])
-            if row.ended:  # its last token's hidden states are in: the record is complete
-                finished.append(slot)
-            else:
-                pick(row, logits[r:r + 1])
-        records = []
-        for slot in finished:
-            row = live.pop(slot)
-            hidden = torch.cat(row.hidden).float().numpy()
-            last_h = torch.cat(row.last).float().numpy()
-            records.append(to_record(row.prompt, row.tokens, hidden, last_h, meta))
-            done[row.order] = records[-1]
+            if not row.ended:
+                _pick(row, logits[r:r + 1], cfg, stops)
+                continue
+            del live[slot]  # its last token's hidden states are in: the record is complete
+            records.append(done.setdefault(row.order, _record(row, meta)))
             if waiting:
                 admit(slot)
         if records and on_records is not None:

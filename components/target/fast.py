@@ -101,10 +101,7 @@ class StepTarget(Target):
             raise TargetError(f"target.static_len: a prompt of {count} tokens is past the fast step's {pool.slots} "
                               "cache slots; raise target.static_len (or set target.step: hf)")
         row = pool.acquire()
-        view = [x[row:row + 1] for x in pool.k], [x[row:row + 1] for x in pool.v]
-        pos = torch.arange(count, device=input_ids.device).unsqueeze(0)
-        logits, taps, last = self.decoder(input_ids, pos, 0, causal_mask(0, count, input_ids.device), *view,
-                                          last_only=True)
+        logits, taps, last = self.decoder.prefill_row(input_ids, pool.k, pool.v, row)
         return TargetOutput(logits, self._pick(taps, layer_ids), last, SlotCache(pool, [row], [count]))
 
     def _pick(self, taps: Tensor, layer_ids: Sequence[int]) -> Tensor | None:  # [..., n, H] -> [..., len(ids), H]
