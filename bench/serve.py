@@ -1,7 +1,7 @@
 """Load generator for the serve stage, in the shape of ``vllm bench serve``: closed-loop
 concurrency levels over HTTP on loopback, speculation on and off in one run.
 
-    python bench/serve.py --drafter DIR [--target embedded|DIR] [--concurrency 1,8,32]
+    python bench/serve.py --drafter DIR [--method auto|suffix|hybrid] [--target embedded|DIR] [--concurrency 1,8,32]
                           [--requests N] [--new-tokens 64] [--threads 1] [--no-adaptive] [--loop-stages S]
                           [--target-step auto|fast|hf]
     python bench/serve.py --url http://127.0.0.1:8000 --model NAME [--tokenizer DIR]   # any OpenAI server
@@ -19,6 +19,11 @@ completed/failed, duration, request throughput, output tokens/s, TTFT / TPOT ((e
 (tokens − 1)) / ITL (every gap between chunks) / E2EL (mean, median, p99 in ms), the
 acceptance length from the ``/metrics`` diff (1 + accepted / drafts, vLLM's counter names),
 and output tokens/s relative to ``spec off`` at the same level. Nothing is asserted about time.
+
+``--method suffix`` (no ``--drafter``) or ``hybrid`` serves suffix decoding, whose global tree
+learns every response the server finishes: then each level runs prompts of its own, ``spec on``
+before ``spec off``, so that no timed request is drafted from its own earlier answer (the warm-up
+requests use a prompt of their own).
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class Run:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", default="", help="drafter checkpoint directory (specline app)")
+    ap.add_argument("--method", default="auto", choices=["auto", "suffix", "hybrid"],
+                    help="serve.drafter: the checkpoint (auto), suffix decoding, or the hybrid of both")
     ap.add_argument("--target", default="embedded", help="embedded or an HF model directory")
     ap.add_argument("--url", default="", help="drive this running OpenAI server instead of starting one")
     ap.add_argument("--model", default="bench", help="model id to send (the served name)")
@@ -214,9 +221,10 @@ def start_server(args: argparse.Namespace, top: int) -> str:
     path = resolve_target_path(target)
     sc = ServeConfig(port=args.port, model_name=args.model, max_ongoing_requests=top, max_queued_requests=2 * top,
                      adaptive=not args.no_adaptive, torch_threads=args.threads, cpus_per_replica=1.0,
-                     loop_stages=args.loop_stages)
+                     loop_stages=args.loop_stages, drafter=args.method)
     init_ray(RayConfig())
-    source = DrafterSource(str(Path(args.drafter).resolve()) if args.drafter else None, "bench")
+    source = DrafterSource(str(Path(args.drafter).resolve()) if args.drafter else None, "bench",
+                           method="model" if args.method == "auto" else args.method)
     start_app(SpeclineConfig(run_dir="runs", target=target, serve=sc), path, source, None)
     return f"http://127.0.0.1:{args.port}"
 
@@ -225,23 +233,37 @@ def main() -> None:
     args = parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     counts = {c: args.requests or max(16, 2 * c) for c in levels}
-    prompts, _ = prompts_for(args, max(counts.values()))
+    # suffix decoding learns every response the server finishes: each level gets prompts of its
+    # own, spec on runs before spec off, and the warm-up request's prompt is none of them
+    learns = args.method != "auto" and not args.url
+    need = (sum(counts.values()) if learns else max(counts.values())) + 1
+    prompts, _ = prompts_for(args, need)
+    warm, prompts = prompts[-1], prompts[:-1]
+    if learns and len(prompts) < sum(counts.values()):
+        print(f"note: {len(prompts)} held-out prompts for {sum(counts.values())} requests: later levels repeat "
+              "prompts the server has learnt", file=sys.stderr)
     url = args.url or start_server(args, max(levels))
     modes = [("as served", None)] if args.url else [("spec off", False), ("spec on", True)]
-    print(f"{len(prompts)} held-out prompts x {args.new_tokens} tokens, greedy, ignore_eos, {url}")
+    print(f"{len(prompts)} held-out prompts x {args.new_tokens} tokens, greedy, ignore_eos, {url}"
+          + (f", drafter {args.method}" if args.method != "auto" else ""))
     print(HEADER)
+    start = 0
     for conc in levels:
-        base = None
-        for mode, speculate in modes:
+        mine = [prompts[(start + i) % len(prompts)] for i in range(counts[conc])]
+        start += counts[conc] if learns else 0
+        done = {}
+        for mode, speculate in (modes[::-1] if learns else modes):
             extra = {} if speculate is None else {"speculate": speculate}
-            bodies = [{"model": args.model, "prompt": p, "max_tokens": args.new_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
-                      for p in prompts[:counts[conc]]]
-            one_request(url, bodies[0])  # warm-up, not timed
+            body = {"model": args.model, "max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}, **extra}
+            one_request(url, {**body, "prompt": warm})  # warm-up, not timed
             before = spec_counters(url)
-            runs, secs = closed_loop(url, bodies, conc)
+            runs, secs = closed_loop(url, [{**body, "prompt": p} for p in mine], conc)
             time.sleep(POLL_WAIT_S)  # the replica copies engine counters into its metrics every 0.5 s
-            diff = {k: v - before[k] for k, v in spec_counters(url).items()}
+            done[mode] = runs, secs, {k: v - before[k] for k, v in spec_counters(url).items()}
+        base = None
+        for mode, _ in modes:
+            runs, secs, diff = done[mode]
             drafts, capped = diff[COUNTERS[0]], diff[COUNTERS[3]]
             tau = 1 + diff[COUNTERS[1]] / drafts if drafts > 0 else None
             tps = report(conc, mode, runs, secs, tau, base)

@@ -323,6 +323,11 @@ class EvalConfig:
                               f"eval.prompt_sets={list(self.embedded_kinds)} instead")
 
 
+# serve.drafter: auto = a trained drafter (drafter_path, drafter_run_id or the train stage's);
+# none = the target alone; suffix = suffix decoding (model-free); hybrid = suffix + the trained drafter
+SERVED_DRAFTERS = ("auto", "none", "suffix", "hybrid")
+
+
 @dataclass
 class ServeConfig:
     """Stage ``serve``: a Ray Serve app of target+drafter replicas behind an OpenAI-compatible API
@@ -330,7 +335,8 @@ class ServeConfig:
     length, vocabulary) is checked per request."""
 
     # Which drafter: "auto" = drafter_path, else drafter_run_id, else the train stage's drafter
-    # (upstream); "none" = the target alone (speculation off, same API).
+    # (upstream); "none" = the target alone (speculation off, same API); "suffix" = suffix
+    # decoding (no trained drafter); "hybrid" = suffix decoding or the trained drafter, per round.
     drafter: str = "auto"
     drafter_path: str | None = path_field(None)  # a drafter checkpoint directory (config.json + safetensors)
     drafter_run_id: str | None = None  # an MLflow run whose ``train/drafter`` artifact is served
@@ -373,6 +379,14 @@ class ServeConfig:
     profile_dir: str = path_field("~/.cache/specline/round-profiles")  # where round profiles are stored
     tree_budget: int = 0  # > 0: a lone greedy/Gumbel request drafts a token tree of this many nodes
     tree_builder: str = "ddtree"  # ddtree | causal
+    # drafter: suffix | hybrid -- suffix decoding (components/engine/suffix.py), its global tree
+    # learning every finished response of the replica; the keys mean what eval's suffix_* keys mean
+    suffix_num_speculative_tokens: int = 16
+    suffix_max_tree_depth: int = 64
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+    suffix_max_cached_responses: int = 10000
+    hybrid_suffix_threshold: float | None = None  # drafter: hybrid (eval.hybrid_suffix_threshold)
 
     def __post_init__(self) -> None:
         make_absolute(self)
@@ -380,8 +394,10 @@ class ServeConfig:
             ("port", 1), ("num_replicas", 1), ("min_replicas", 0), ("max_ongoing_requests", 1),
             ("max_queued_requests", 0), ("retry_after_s", 0), ("max_body_bytes", 1),
             ("tree_budget", 0), ("torch_threads", 0)) if getattr(self, key) < low]
-        if self.drafter not in ("auto", "none"):
-            problems.append(f"drafter must be auto or none (got {self.drafter!r}); a path goes in drafter_path")
+        if self.drafter not in SERVED_DRAFTERS:
+            problems.append(f"drafter must be one of {', '.join(SERVED_DRAFTERS)} (got {self.drafter!r}); "
+                            "a path goes in drafter_path")
+        problems += suffix_problems(self)
         if self.overload_status not in (429, 503):
             problems.append(f"overload_status must be 429 or 503 (got {self.overload_status})")
         if self.sampled_rule not in rules_where(samples=True):
@@ -395,6 +411,28 @@ class ServeConfig:
             problems.append("num_speculative_tokens, max_model_len and loop_stages must be at least 1 when set")
         if problems:
             raise ConfigError("serve: " + "; ".join(problems))
+
+
+def suffix_problems(section: Any) -> list[str]:
+    """What is out of range in a section's suffix decoding keys (``suffix_*``,
+    ``hybrid_suffix_threshold``: the eval and serve sections have them), each naming its key."""
+    problems = []
+    if not 1 <= section.suffix_num_speculative_tokens < section.suffix_max_tree_depth:
+        problems.append(f"suffix_max_tree_depth must exceed suffix_num_speculative_tokens ≥ 1 (a match leaves room "
+                        f"for a whole draft in the tree); got {section.suffix_max_tree_depth} and "
+                        f"{section.suffix_num_speculative_tokens}")
+    if section.suffix_max_spec_factor <= 0:
+        problems.append(f"suffix_max_spec_factor must be > 0 (got {section.suffix_max_spec_factor})")
+    if not 0 <= section.suffix_min_token_prob <= 1:
+        problems.append(f"suffix_min_token_prob must be in [0, 1] (got {section.suffix_min_token_prob})")
+    if section.suffix_max_cached_responses < 0:
+        problems.append(f"suffix_max_cached_responses must be ≥ 0, 0 for no global tree "
+                        f"(got {section.suffix_max_cached_responses})")
+    threshold = section.hybrid_suffix_threshold
+    if threshold is not None and not threshold >= 0:  # NaN too
+        problems.append(f"hybrid_suffix_threshold must be ≥ 0 in suffix score units (Σ estimated probabilities), "
+                        f".inf for never, null for γ (got {threshold})")
+    return problems
 
 
 @dataclass

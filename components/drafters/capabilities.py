@@ -20,6 +20,7 @@ This module knows nothing about particular drafter families, engines or objectiv
 from __future__ import annotations
 
 import inspect
+from collections.abc import Hashable, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,6 +48,7 @@ class Capability(str, Enum):
     BLOCK_INTERNALS = "block_internals"  # BlockInternals: the block backbone the objectives unroll
     SLOT_HEADS = "slot_heads"  # markov_head / confidence_head modules the exporters write
     HEAD_START = "head_start"  # head_start: draft layers initialised from the target's last layers
+    LEARNS_RESPONSES = "learns_responses"  # observe: finished responses teach it (suffix decoding's global tree)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -64,6 +66,7 @@ _METHODS: dict[Capability, tuple[str, ...]] = {
                                  "draft_states", "block_output", "sample_readout", "train_readout"),
     Capability.SLOT_HEADS: ("markov_head", "confidence_head"),
     Capability.HEAD_START: ("head_start",),
+    Capability.LEARNS_RESPONSES: ("observe",),
 }
 
 
@@ -130,6 +133,11 @@ class Carryover(Protocol):
     def with_carry(self, state: DraftState, hidden_rej: Tensor,  # hidden_rej [B, k, n, H]
                    start_position: int) -> DraftState:
         """The state plus one round's context rows from the rejected drafts' target taps."""
+
+
+class LearnsResponses(Protocol):
+    def observe(self, response: Sequence[int], key: Hashable | None = None) -> None:
+        """Keeps a finished response (its new tokens) to draft from in later requests."""
 
 
 class CausalTreeHead(Protocol):

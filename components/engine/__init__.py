@@ -53,7 +53,7 @@ from components.engine.settings import (
     resolve_settings,
 )
 from components.engine.single import SpeculativeEngine, target_only_generate
-from components.engine.suffix import SuffixDrafter
+from components.engine.suffix import SuffixDrafter, suffix_drafter
 from components.engine.tree import TreeEngine
 
 __all__ = [
@@ -86,5 +86,6 @@ __all__ = [
     "profile_round_times",
     "resolve_settings",
     "stored_round_times",
+    "suffix_drafter",
     "target_only_generate",
 ]

@@ -123,8 +123,10 @@ class HybridDrafter:
         return self.trained.carry_embed
 
     def capabilities(self) -> frozenset[Capability]:
-        """OWN_CONTEXT, and what of ``PASSED_ON`` the trained drafter declares."""
-        return frozenset({Capability.OWN_CONTEXT} | {c for c in PASSED_ON if has(self.trained, c)})
+        """OWN_CONTEXT, LEARNS_RESPONSES (the suffix side's), and what of ``PASSED_ON`` the
+        trained drafter declares."""
+        return frozenset({Capability.OWN_CONTEXT, Capability.LEARNS_RESPONSES} |
+                         {c for c in PASSED_ON if has(self.trained, c)})
 
     def identity(self) -> str:
         """What round profiles of it are keyed by: both sides'."""

@@ -40,11 +40,11 @@ responses. At most one sequence of a tree grows at a time here (a request's; a r
 added whole), though the tree stays exact if several do.
 
 Proposals are one-hot q (``model_free.one_hot_proposal``), as prompt lookup's. Asks
-for no target taps (``layer_ids = ()``) and declares no capabilities (no batched passes, DLoop,
-carryover or tree head). Knows nothing about verification, caches or tokenization; who runs
-requests calls ``observe`` with each finished response (the eval stage's ``suffix`` method does;
-a serving replica would do the same as its requests finish, though the serve stage serves trained
-drafters only today). Not thread-safe: observe from the thread that drafts.
+for no target taps (``layer_ids = ()``) and declares only ``LEARNS_RESPONSES`` (no batched
+passes, DLoop, carryover or tree head). Knows nothing about verification, caches or tokenization; who runs
+requests calls ``observe`` with each finished response (declared as
+``Capability.LEARNS_RESPONSES``: the batch engine does it as rows finish, the eval stage's
+``suffix`` method after each request). Not thread-safe: observe from the thread that drafts.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -355,8 +356,8 @@ class SuffixDrafter:
         self.device = torch.device(device)
 
     def capabilities(self) -> frozenset[Capability]:
-        """None beyond the core protocol: one request at a time, no own states, no carryover."""
-        return frozenset()
+        """LEARNS_RESPONSES (``observe``); one request at a time, no own states, no carryover."""
+        return frozenset({Capability.LEARNS_RESPONSES})
 
     def identity(self) -> str:
         """What round profiles of this drafter are keyed by: its class (no parameters)."""
@@ -421,3 +422,10 @@ class SuffixDrafter:
         """Drops the response kept under ``key`` (call before running that request again, so
         that it is not drafted from its own earlier answer)."""
         self.responses.forget(key)
+
+
+def suffix_drafter(section: Any, vocab_size: int, device: torch.device | str = "cpu") -> SuffixDrafter:
+    """A ``SuffixDrafter`` as a config section's ``suffix_*`` keys set it (eval's and serve's)."""
+    return SuffixDrafter(vocab_size, section.suffix_num_speculative_tokens, section.suffix_max_tree_depth,
+                         section.suffix_max_spec_factor, section.suffix_min_token_prob,
+                         max_cached_responses=section.suffix_max_cached_responses, device=device)

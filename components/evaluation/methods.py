@@ -43,7 +43,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from components.config import ConfigError, EvalConfig
+from components.config import ConfigError, EvalConfig, suffix_problems
 from components.drafters.capabilities import Capability, CapabilityError, require
 from components.engine import (
     OPEN_GATE,
@@ -59,6 +59,7 @@ from components.engine import (
     adaptive_engine,
     loop_stages_for,
     resolve_settings,
+    suffix_drafter,
     target_only_generate,
 )
 from components.evaluation.context import EvalContext, Method, MethodFn, Peer
@@ -187,10 +188,7 @@ def _suffix_drafter(ctx: EvalContext) -> tuple[SuffixDrafter, dict[str, Any]]:
     ev = ctx.ev
     settings = {"max_tree_depth": ev.suffix_max_tree_depth, "max_spec_factor": ev.suffix_max_spec_factor,
                 "min_token_prob": ev.suffix_min_token_prob, "max_cached_responses": ev.suffix_max_cached_responses}
-    drafter = SuffixDrafter(ctx.target.vocab_size, ev.suffix_num_speculative_tokens, ev.suffix_max_tree_depth,
-                            ev.suffix_max_spec_factor, ev.suffix_min_token_prob,
-                            max_cached_responses=ev.suffix_max_cached_responses, device=ctx.target.device)
-    return drafter, settings
+    return suffix_drafter(ev, ctx.target.vocab_size, ctx.target.device), settings
 
 
 def _learning(ctx: EvalContext, name: str, engine: SpeculativeEngine, drafter: SuffixDrafter | HybridDrafter) -> MethodFn:
@@ -319,22 +317,10 @@ def check_methods(ev: EvalConfig) -> list[str]:
 
 
 def _check_suffix(ev: EvalConfig) -> None:
-    """The suffix and hybrid methods' settings in range (ConfigErrors naming the key)."""
-    if not 1 <= ev.suffix_num_speculative_tokens < ev.suffix_max_tree_depth:
-        raise ConfigError(f"eval.suffix_max_tree_depth: must exceed eval.suffix_num_speculative_tokens ≥ 1 (a match "
-                          f"leaves room for a whole draft in the tree); got {ev.suffix_max_tree_depth} and "
-                          f"{ev.suffix_num_speculative_tokens}")
-    if ev.suffix_max_spec_factor <= 0:
-        raise ConfigError(f"eval.suffix_max_spec_factor: must be > 0 (got {ev.suffix_max_spec_factor})")
-    if not 0 <= ev.suffix_min_token_prob <= 1:
-        raise ConfigError(f"eval.suffix_min_token_prob: must be in [0, 1] (got {ev.suffix_min_token_prob})")
-    if ev.suffix_max_cached_responses < 0:
-        raise ConfigError(f"eval.suffix_max_cached_responses: must be ≥ 0, 0 for no global tree "
-                          f"(got {ev.suffix_max_cached_responses})")
-    threshold = ev.hybrid_suffix_threshold
-    if threshold is not None and not threshold >= 0:  # NaN too
-        raise ConfigError(f"eval.hybrid_suffix_threshold: must be ≥ 0 in suffix score units (Σ estimated "
-                          f"probabilities), .inf for never, null for γ (got {threshold})")
+    """The suffix and hybrid methods' settings in range (a ConfigError naming the keys)."""
+    problems = suffix_problems(ev)
+    if problems:
+        raise ConfigError("eval." + "; eval.".join(problems))
 
 
 def exact_methods(ev: EvalConfig, methods: list[str]) -> set[str]:

@@ -120,7 +120,7 @@ def build_replica(cfg: SpeclineConfig, target_path: str, source: DrafterSource, 
     sc = cfg.serve
     parts = build_parts(cfg.target, sc, target_path, source, adapt_now=False)
     replica = Replica(parts, served_for(parts.target, sc, model), sc.max_queued_requests, sc.sampled_rule,
-                      sc.overload_status, sc.retry_after_s, source.label if source.path else None,
+                      sc.overload_status, sc.retry_after_s, source.label if source.speculates else None,
                       ServingMetrics(model, export_to_ray=True))
     log.info("replica loaded in %.1f s: %s, drafter %s; warming up", parts.startup_seconds, model, source.label)
     return replica
@@ -130,7 +130,7 @@ def warm_up_steps(replica: Replica, sc: ServeConfig) -> list[tuple[str, Callable
     """The warm-up's own steps before the warm-up generation: the adaptive cap's round profile."""
     from components.serving.assemble import adapt
 
-    if not sc.adaptive or replica.parts.drafter is None:
+    if not replica.parts.adapts:
         return []
     return [("round profile", lambda: adapt(replica.parts, sc))]
 
@@ -163,8 +163,8 @@ class Server:
     async def models(self) -> Any:
         self.replica.life.check_ready()
         drafter = None
-        if self.source.path is not None and self.replica.parts.drafter is not None:
-            drafter = {"id": self.source.label, "family": self.replica.parts.drafter.cfg.name,
+        if self.source.speculates and self.replica.parts.drafter is not None:
+            drafter = {"id": self.source.label, "family": self.replica.parts.family,
                        "run_id": self.source.run_id, "version": self.source.version, "origin": self.source.origin}
         return JSONResponse(model_card(self.model, self.replica.served.max_model_len, drafter,
                                        self.replica.parts.settings))

@@ -11,6 +11,10 @@ unless set), token trees for a lone request (``tree_budget``), the batch size
 cap over the engine's round times profiled once per host and setting and stored under
 ``profile_dir`` (``adaptive_engine``, the set-up the eval stage's ``drafter_adaptive`` shares).
 The drafting settings are resolved once (``resolve_settings``) and kept in ``EngineParts``.
+``serve.drafter=suffix`` serves suffix decoding (no checkpoint, no adaptive cap: its match sizes
+each draft, and a row without a match takes a plain step) and ``hybrid`` suffix decoding beside
+the trained drafter; either learns every finished response of the replica (the batch engine
+hands them to it, ``Capability.LEARNS_RESPONSES``).
 
 A drafter trained for another target or tokenizer is refused with every mismatch named
 (``load_drafter``'s check), as a ``ConfigError``; so is an engine setting the drafter cannot
@@ -36,10 +40,12 @@ from components.drafters.capabilities import Capability, has
 from components.engine import (
     BatchEngine,
     EngineSettings,
+    HybridDrafter,
     adaptive_engine,
     loop_gate_for,
     loop_stages_for,
     resolve_settings,
+    suffix_drafter,
 )
 from components.serving.fallback import GuardedDrafter
 from components.serving.provenance import DrafterSource
@@ -55,6 +61,8 @@ class EngineParts:
     settings: dict[str, Any] = field(default_factory=dict)  # what /v1/models reports
     startup_seconds: float = 0.0
     engine_settings: EngineSettings = field(default_factory=EngineSettings)  # what ``adapt`` rebuilds with
+    family: str = "none"  # the served drafter's family: dspark, ..., suffix, hybrid+dspark
+    adapts: bool = False  # whether ``adapt`` gives it the adaptive cap
 
 
 def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, source: DrafterSource,
@@ -65,16 +73,17 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
     if sc.torch_threads > 0:
         torch.set_num_threads(sc.torch_threads)
     target = load_target(dataclasses.replace(target_cfg, name_or_path=target_path), progress=False)
-    drafter = _load(source, target)
+    model = _load(source, target)
+    drafter, family = _served(source, sc, model, target)
     notes: list[str] = []
     target = step_target(target, target_cfg, taps=drafter.layer_ids if drafter is not None else (), lines=notes.append)
-    if drafter is not None:  # the drafter's own linears (the target's it shares are left to the step)
-        stream_linears(target, target_cfg, modules=[drafter], keep_target=True)
+    if model is not None:  # the drafter's own linears (the target's it shares are left to the step)
+        stream_linears(target, target_cfg, modules=[model], keep_target=True)
     stages = _loop_stages(sc, drafter)
     guarded = GuardedDrafter(drafter, target.vocab_size) if drafter is not None else None
-    drafting = _settings(sc, guarded, stages, _carryover(sc, drafter))
+    drafting = _settings(sc, guarded, stages, _carryover(sc, model, source))
     engine = BatchEngine(target, guarded, max_batch_size=sc.max_ongoing_requests, settings=drafting)
-    settings = {"num_speculative_tokens": drafting.num_speculative_tokens, "max_cap": drafting.max_cap,
+    settings = {"drafter": family, "num_speculative_tokens": drafting.num_speculative_tokens, "max_cap": drafting.max_cap,
                 "loop_stages": stages,
                 "loop_gate": "adaptive cap" if sc.loop_gate is None and sc.adaptive else drafting.loop_gate,
                 "carryover": drafting.carryover, "adaptive": False, "round_profile": None,
@@ -82,7 +91,9 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
                 "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
                 "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
                 "target_step": notes[-1] if notes else ""}
-    parts = EngineParts(target, guarded, engine, settings, 0.0, drafting)
+    # suffix decoding alone sizes its own drafts by its match (the adaptive cap prices a model's)
+    adapts = sc.adaptive and guarded is not None and source.method != "suffix"
+    parts = EngineParts(target, guarded, engine, settings, 0.0, drafting, family, adapts)
     if adapt_now:
         adapt(parts, sc)
     parts.startup_seconds = time.perf_counter() - t0
@@ -95,7 +106,7 @@ DEFAULT_LOOP_STAGES = 3  # serve.loop_stages unset, for a drafter that can loop
 def adapt(parts: EngineParts, sc: ServeConfig) -> None:
     """The adaptive cap (``serve.adaptive`` with a drafter): the round profile stored for this
     setting, else measured and stored, and ``parts.engine`` rebuilt with it. Nothing otherwise."""
-    if not sc.adaptive or parts.drafter is None:
+    if not parts.adapts:
         return
     try:
         parts.engine, stored = adaptive_engine(parts.target, parts.drafter, parts.engine_settings, sc.profile_dir,
@@ -124,8 +135,28 @@ def _load(source: DrafterSource, target: Any) -> Any:
         raise ConfigError(f"serve: the drafter from {source.origin} cannot serve this target: {err}") from None
 
 
-def _carryover(sc: ServeConfig, drafter: Any) -> bool:
+def _served(source: DrafterSource, sc: ServeConfig, model: Any, target: Any) -> tuple[Any, str]:
+    """The engine's drafter and its family name: the trained ``model``, suffix decoding, or the
+    hybrid of both (per round the suffix draft when it scores ≥ ``hybrid_suffix_threshold``,
+    null: the model's γ), as ``source.method`` says."""
+    if source.method == "suffix":
+        return suffix_drafter(sc, target.vocab_size, target.device), "suffix"
+    if model is None:
+        return None, "none"
+    if source.method == "hybrid":
+        threshold = sc.hybrid_suffix_threshold
+        threshold = float(model.num_speculative_tokens if threshold is None else threshold)
+        return HybridDrafter(model, suffix_drafter(sc, target.vocab_size, target.device), threshold), \
+            f"hybrid+{model.cfg.name}"
+    return model, model.cfg.name
+
+
+def _carryover(sc: ServeConfig, drafter: Any, source: DrafterSource) -> bool:
+    """Carryover for the trained drafter (``drafter``; None for suffix decoding alone)."""
     if drafter is None:
+        if sc.carryover and source.method == "suffix":
+            raise ConfigError("serve.carryover: suffix decoding has no carryover; set serve.carryover=false "
+                              "or leave it unset")
         return False
     able = has(drafter, Capability.CARRYOVER)
     if sc.carryover and not able:

@@ -19,6 +19,7 @@ failed call answers is chosen by the result its signature declares (``declared_s
 * a causal tree head: flat scores (a failure inside the returned head is caught the same way):
   the tree is still verified exactly, it only accepts less.
 
+``observe`` (``LEARNS_RESPONSES``) answers nothing: a failed one only loses that response.
 A batched call (a list of slots) runs on the rows still live; a failure marks all of them. A
 method whose declared result is none of these (a training internal: block states, train
 readouts) is no engine call and is passed through. Requests admitted later get fresh states
@@ -32,7 +33,7 @@ import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,13 @@ class GuardedDrafter:
 
     def rollback(self, state: Slot, length: int) -> Slot:
         return self._call("rollback", state, length)
+
+    def observe(self, response: Sequence[int], key: Hashable | None = None) -> None:
+        """``LEARNS_RESPONSES``: a failure only loses this response (logged and counted)."""
+        try:
+            self.drafter.observe(response, key)
+        except Exception as err:  # noqa: BLE001
+            self._failed("observe", err, 0)
 
     # ------------------------------------------------------------------ one guarded call
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:

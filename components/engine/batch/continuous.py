@@ -18,7 +18,9 @@ One ``step()`` is one round for the whole running batch::
                 recomputed); the round is committed as in the batch-1 engine
                 (``chain.commit_round``: carryover rows, emitted tokens, the round's count);
     finish   -- a request ends at ``max_new_tokens``, at one of its stop tokens (included in the
-                output) or when cancelled; its cache rows are freed before the next round.
+                output) or when cancelled; its cache rows are freed before the next round; a
+                drafter declaring ``LEARNS_RESPONSES`` (suffix decoding) is handed each response
+                that ended (not cancelled ones), whether or not it speculated.
 
 Per-request randomness (a generator and a Gumbel seed per request) is consumed in the same
 order as the batch-1 ``SpeculativeEngine`` would for that request alone, so a request's output
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from components.drafters.capabilities import Capability, has
 from components.engine.adaptive.policy import DraftLengthPolicy, FixedDraftLength
 from components.engine.batch.admit import Admission
 from components.engine.batch.draft import Drafting
@@ -80,6 +83,7 @@ class BatchEngine:
         self.target, self.drafter = target, drafter
         self.max_batch_size, self.compact_at = int(max_batch_size), float(compact_at)
         self.layer_ids: list[int] = list(drafter.layer_ids) if drafter is not None else []
+        self.learns = drafter is not None and has(drafter, Capability.LEARNS_RESPONSES)
         self.draft_length = draft_length or FixedDraftLength()
         self.waiting: deque[Request] = deque()
         self.batch = Batch()
@@ -134,6 +138,14 @@ class BatchEngine:
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """One round for every running request (after admitting waiting ones)."""
+        outputs = self._round()
+        if self.learns:  # e.g. suffix decoding's global tree, on the thread that drafts
+            for out in outputs:
+                if out.finished and out.result is not None and out.finish_reason != "cancelled":
+                    self.drafter.observe(list(out.result.tokens))
+        return outputs
+
+    def _round(self) -> list[StepOutput]:
         start = time.perf_counter()
         outputs = self._drop_cancelled()
         free = self.max_batch_size - len(self.batch.rows)

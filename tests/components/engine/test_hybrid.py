@@ -265,8 +265,8 @@ def test_a_trained_drafter_without_own_states_gets_no_later_stages(tiny_target, 
 
 def test_capabilities_are_those_of_the_trained_drafter_passed_on(tiny_target):
     draft = HybridDrafter(dspark(tiny_target, carryover=True), SuffixDrafter(tiny_target.vocab_size, 4, 8), 1.0)
-    assert draft.capabilities() == {Capability.OWN_CONTEXT, Capability.CARRYOVER, Capability.BATCHED_PROPOSE,
-                                    Capability.BATCHED_CONSUME}
+    assert draft.capabilities() == {Capability.OWN_CONTEXT, Capability.LEARNS_RESPONSES, Capability.CARRYOVER,
+                                    Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME}
     for cap in draft.capabilities():
         assert all(getattr(draft, m, None) is not None for m in cap.methods)
     assert draft.layer_ids == draft.trained.layer_ids and draft.num_speculative_tokens == 4

@@ -25,9 +25,9 @@ def serving_drafter(tmp_path_factory, tiny_target) -> Path:
     return save_drafter(build_drafter(SERVING_DRAFTER, tiny_target), tmp_path_factory.mktemp("serving") / "drafter")
 
 
-def make_parts(tiny_target_cfg, tiny_target_build, drafter_path: Path | None, **serve):
+def make_parts(tiny_target_cfg, tiny_target_build, drafter_path: Path | None, method: str = "model", **serve):
     sc = ServeConfig(**{"adaptive": False, "max_ongoing_requests": 4, "max_queued_requests": 4, **serve})
-    source = DrafterSource(str(drafter_path) if drafter_path else None, "test")
+    source = DrafterSource(str(drafter_path) if drafter_path else None, "test", method=method)
     parts = build_parts(tiny_target_cfg, sc, str(tiny_target_build[0]), source)
     return parts, served_for(parts.target, sc, "tiny"), sc
 

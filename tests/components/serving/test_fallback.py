@@ -14,7 +14,7 @@ from torch import nn
 
 from components.config import DrafterConfig
 from components.drafters.capabilities import Capability
-from components.serving.fallback import GUARDED, STAND_IN_FOR, _returns
+from components.serving.fallback import GUARDED, STAND_IN_FOR, GuardedDrafter, _returns
 from components.serving.protocol import parse_request
 from components.serving.replica import Replica
 from components.serving.responses import Outcome
@@ -123,3 +123,15 @@ def test_a_failure_anywhere_in_the_drafter_is_lossless(kind, tiny_target_cfg, ti
     must = {"chain": {"propose_many", "consume_many"}, "dloop": {"consume_own"}, "carryover": {"with_carry"},
             "tree": {"propose"}, "causal tree": {"causal_tree_head", "propose"}}[kind]
     assert must <= set(reached), f"{kind} rounds never called {must - set(reached)}"
+
+
+def test_a_failed_observe_loses_only_that_response(tiny_target):
+    from components.engine import SuffixDrafter
+
+    class Forgetful(SuffixDrafter):
+        def observe(self, response, key=None):
+            raise RuntimeError("tree full")
+
+    guarded = GuardedDrafter(Forgetful(tiny_target.vocab_size, 4, max_depth=16), tiny_target.vocab_size)
+    guarded.observe([1, 2, 3])  # logged and counted, never raised into the engine's round
+    assert guarded.failures == 1 and "observe: RuntimeError: tree full" in guarded.last_error

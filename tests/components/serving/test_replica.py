@@ -269,3 +269,32 @@ def test_on_the_fast_step_the_replica_batches_in_slab_rows_losslessly(tiny_targe
         assert sorted(parts.engine.pool.free) == list(range(parts.engine.pool.rows))
     finally:
         rep.shutdown()
+
+
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_suffix_and_hybrid_serve_the_targets_own_and_learn_each_finished_response(
+        tiny_target_cfg, tiny_target_build, serving_drafter, tiny_target, method, tmp_path):
+    parts, served, sc = make_parts(tiny_target_cfg, tiny_target_build, serving_drafter if method == "hybrid" else None,
+                                   method=method, adaptive=True, profile_dir=str(tmp_path))
+    assert parts.family == ("suffix" if method == "suffix" else "hybrid+dspark")
+    assert parts.adapts == (method == "hybrid")  # suffix decoding sizes its own drafts
+    rep = Replica(parts, served, sc.max_queued_requests, drafter_label=method)
+    try:
+        assert rep.warm_up()
+        prompts = prompt_ids(tiny_target, 5)
+        outs = asyncio.run(_many(rep, [_greedy(p) for p in prompts]))
+        assert [o.token_ids for o in outs] == [greedy_reference(tiny_target, p, NEW) for p in prompts]
+        suffix = parts.drafter.drafter if method == "suffix" else parts.drafter.drafter.suffix
+        kept = sorted(tuple(suffix.responses.tree.seqs[i]) for i in suffix.responses.kept.values())
+        warm = 1  # the warm-up generation's response is learnt too
+        assert len(kept) == len(prompts) + warm
+        assert all(tuple(o.token_ids) in kept for o in outs)
+        again = asyncio.run(_many(rep, [_greedy(p) for p in prompts]))  # drafted from what it learnt: same output
+        assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    finally:
+        rep.shutdown()
+
+
+def test_suffix_with_carryover_is_a_config_error(tiny_target_cfg, tiny_target_build):
+    with pytest.raises(ConfigError, match="serve.carryover: suffix decoding"):
+        make_parts(tiny_target_cfg, tiny_target_build, None, method="suffix", carryover=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.engine import PromptLookupDrafter, SpeculativeEngine, target_only_generate
+from components.engine import PromptLookupDrafter, SpeculativeEngine, SuffixDrafter, target_only_generate
 from components.engine.batch import BatchEngine, Request
 from components.spec.sampling import SamplingParams
 from tests.components.engine.doubles import ScriptedDrafter
@@ -232,3 +232,19 @@ def test_profiled_forward_time_is_non_decreasing(tiny_target):
     table = profile_forward_time(tiny_target, sizes=(1, 4, 16, 32), context=8, reps=1)
     assert table.xs.tolist() == [1, 4, 16, 32] and bool((table.ys[1:] >= table.ys[:-1]).all())
     assert float(table.ys[0]) > 0
+
+
+def test_a_learning_drafter_is_taught_each_finished_response_but_not_cancelled_ones(tiny_target, greedy_refs):
+    drafter = SuffixDrafter(tiny_target.vocab_size, 4, max_depth=16)
+    engine = BatchEngine(tiny_target, drafter, max_batch_size=3)
+    reqs = requests(tiny_target)
+    engine.cancel(reqs[-1].request_id)  # waits, then is cancelled before it runs
+    for r in reqs:
+        engine.add(r)
+    done = {}
+    while engine.has_work:
+        done |= {o.request_id: o.result for o in engine.step() if o.finished}
+    kept = sorted(drafter.responses.tree.seqs[i] for i in drafter.responses.kept.values())
+    assert kept == sorted(greedy_refs[:-1])  # every response that ended, in full; not the cancelled one
+    again = engine.generate(requests(tiny_target))  # drafting from what it learnt: still the target's own
+    assert [r.tokens for r in again] == greedy_refs
