@@ -461,6 +461,10 @@ class SpeclineConfig:
     run_dir: str = path_field("runs")  # everything a run writes; relative: to the working directory at load
     seed: int = 0
     stages: list[str] = field(default_factory=lambda: ["target"])  # run by pipelines.full
+    # A stage whose output exists for the same config and inputs is reused (components/reuse.py);
+    # the stages named here run again anyway, e.g. [data, train] or [all] (serve always runs).
+    # Stages downstream of one that ran again rerun when its output changed.
+    force: list[str] = field(default_factory=list)
     # Console output (components/logs.py): info = one line per stage start/end, progress bars and
     # errors; verbose (also `-v` on the command line) = every log record and Ray's worker output.
     # Either way everything goes to <run_dir>/logs/<timestamp>-<name>.log.

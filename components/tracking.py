@@ -104,6 +104,10 @@ class Tracker:
             numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
             self._mlflow.log_metrics(numeric, step=step)
 
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        if self.enabled:
+            self._mlflow.set_tags({k: str(v)[:MAX_PARAM_LEN] for k, v in tags.items()})
+
     def log_params(self, params: dict[str, Any]) -> None:
         if self.enabled:
             self._mlflow.log_params({k: str(v)[:MAX_PARAM_LEN] for k, v in params.items()})

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from components import logs
+from components import logs, reuse
 from components.config import ConfigError, SpeclineConfig
 from components.confload import load_cli
 from components.drafters.errors import DrafterError
@@ -41,19 +41,43 @@ def split_flags(argv: Sequence[str]) -> list[str]:
 
 
 def run_stage(name: str, stage: StageFn, cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any],
-              step: str = "") -> dict[str, Any]:
-    """``stage(cfg, tracker, upstream)`` between a start line and an end line (wall time, headline)."""
+              step: str = "", run_id: str | None = None) -> dict[str, Any]:
+    """``stage(cfg, tracker, upstream)`` between a start line and an end line (wall time, headline),
+    or, where its output exists for the same inputs (``components.reuse``), that output and one line."""
     logs.adopt_library_loggers()  # a library imported since the last stage brought its own handler
-    what = plan(name, cfg)
+    decision = reuse.decide(name, cfg, upstream)
+    if decision is not None and decision.reuse:
+        return _reused(decision, tracker, upstream, step)
+    what = " ".join(p for p in (plan(name, cfg), f"({decision.why})" if decision and decision.why else "") if p)
     log.info("%s%s …%s", step, name, f" {what}" if what else "")
+    if decision is not None:
+        tracker.set_tags({"reused": "false", "specline.stage_key": decision.key})
+        removed = reuse.begin(decision, cfg)
+        if removed:
+            log.info("%s%s: removed the earlier output %s", step, name, ", ".join(removed), extra=logs.FILE_ONLY)
     t0 = time.perf_counter()
     try:
         out = stage(cfg, tracker, upstream)
     except BaseException as err:
         _failed(f"{step}{name}", time.perf_counter() - t0, err)
         raise
+    if decision is not None:
+        reuse.complete(decision, upstream, out, run_id, time.perf_counter() - t0)
     line = headline(name, out)
     log.info("%s%s done in %s%s", step, name, duration(time.perf_counter() - t0), f": {line}" if line else "")
+    return out
+
+
+def _reused(decision: reuse.Decision, tracker: Tracker, upstream: dict[str, Any], step: str) -> dict[str, Any]:
+    """The recorded output of a stage, one console line, and its MLflow run tagged as a reuse."""
+    out = reuse.reused(decision, upstream)
+    record = decision.record or {}
+    tracker.set_tags({"reused": "true", "specline.stage_key": decision.key,
+                      "specline.reused_from_run": record.get("run_id") or "", "specline.record": decision.record_path})
+    tracker.log_dict(record, "stage_record.json")
+    line = headline(decision.stage, out)
+    log.info("%s%s reused%s (%s; force=[%s] reruns)", step, decision.stage, f": {line}" if line else "",
+             decision.why, decision.stage)
     return out
 
 
@@ -88,8 +112,8 @@ def main(stage: StageFn, name: str, argv: Sequence[str] | None = None) -> int:
             hint = "" if cfg.log_level == logs.VERBOSE else " (-v: everything on the console)"
             log.info("specline %s: full log in %s%s", name, path, hint)
             tracker = _tracker(cfg)
-            with tracker.run(name):
-                result = run_stage(name, stage, cfg, tracker, {})
+            with tracker.run(name) as run_id:
+                result = run_stage(name, stage, cfg, tracker, {}, run_id=run_id)
             text = json.dumps(result, indent=2, default=str)
             log.info("result:\n%s", text, extra=logs.FILE_ONLY)
     except USER_ERRORS as err:

@@ -69,4 +69,4 @@ def test_invalid_yaml_and_malformed_override(tmp_path: Path):
 def test_flatten_for_logging():
     flat = flatten(to_dict(load()))
     assert flat["target.tiny.hidden_size"] == 256
-    assert all("." in k or k in ("run_dir", "seed", "stages", "log_level") for k in flat)
+    assert all("." in k or k in ("run_dir", "seed", "stages", "force", "log_level") for k in flat)

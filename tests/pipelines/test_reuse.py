@@ -1,0 +1,97 @@
+"""A second run reuses what the first made, and says so; a changed key or ``force`` reruns a stage
+and what follows it. The tiny fixture, data → train with the SMALL settings of test_full."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from components.config import SpeclineConfig
+from components.confload import load
+from components.reuse import RECORD
+from components.tracking import Tracker
+from pipelines import full
+from pipelines.cli import main
+from tests.pipelines.test_full import SMALL
+
+
+def test_a_stage_run_again_alone_is_reused_with_one_line(tmp_path, capsys):
+    calls = []
+    out_dir = tmp_path / "somewhere"
+    out_dir.mkdir()
+
+    def stage(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
+        calls.append(1)
+        return {**upstream, "num_records": 12, "num_tokens": 340, "data_dir": str(out_dir)}
+
+    argv = ["conf=dspark.yaml", f"run_dir={tmp_path}", "tracking.enabled=false"]
+    assert main(stage, "data", argv) == 0 and main(stage, "data", argv) == 0
+    assert len(calls) == 1
+    err = capsys.readouterr().err
+    assert "data reused: 12 records, 340 tokens → " in err
+    assert "(same config and inputs; force=[data] reruns)" in err
+    assert main(stage, "data", [*argv, "force=[data]"]) == 0 and len(calls) == 2
+    assert "data … (force=[data]: its earlier output is replaced)" in capsys.readouterr().err
+
+
+def _run(clone: Path, tiny_target_cfg, *extra: str) -> tuple[dict[str, Any], float]:
+    cfg = dataclasses.replace(load("dspark.yaml", [*SMALL, "train.num_workers=1", f"run_dir={clone / 'runs'}",
+                                                   *extra]),
+                              target=tiny_target_cfg)
+    tracker = Tracker(cfg)
+    t0 = time.perf_counter()
+    with tracker.run("pipeline"):
+        out = full.run(cfg, tracker, {})
+    return out, time.perf_counter() - t0
+
+
+def _mtimes(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_mtime_ns for p in path.rglob("*") if p.is_file()}
+
+
+def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    lines = [r.getMessage() for r in caplog.records if r.name == "specline"]
+    caplog.clear()
+    return lines
+
+
+@pytest.mark.slow
+def test_a_second_run_reuses_data_and_train_and_a_changed_key_or_force_reruns(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, tiny_target_cfg, tiny_target_build, ray_session):
+    caplog.set_level(logging.INFO, logger="specline")
+    first, _ = _run(tmp_path, tiny_target_cfg)
+    data_dir, train_dir = Path(first["data_dir"]), tmp_path / "runs" / "train"
+    assert (data_dir / RECORD).is_file() and (train_dir / RECORD).is_file()
+    before, drafter_before = _mtimes(data_dir), _mtimes(train_dir)
+    assert [line for line in _lines(caplog) if "reused" in line] == []
+
+    again, seconds = _run(tmp_path, tiny_target_cfg, "train.log_every=2")  # log_every changes no output
+    lines = _lines(caplog)
+    assert any(line.startswith("[1/2] data reused: 10 records") and
+               line.endswith("(same config and inputs; force=[data] reruns)") for line in lines), lines
+    assert any(line.startswith("[2/2] train reused: 2 steps") for line in lines), lines
+    assert not any(" … " in line or line.endswith(" …") for line in lines), lines  # no stage started
+    assert _mtimes(data_dir) == before and _mtimes(train_dir) == drafter_before  # nothing written
+    assert seconds < 10, seconds
+    assert again["drafter_path"] == first["drafter_path"] and again["train_run_id"] == first["train_run_id"]
+    import mlflow
+
+    reused_runs = mlflow.search_runs(experiment_names=["specline"], filter_string="tags.reused = 'true'")
+    assert sorted(reused_runs["tags.specline.stage"]) == ["data", "train"]
+
+    steps, _ = _run(tmp_path, tiny_target_cfg, "train.max_steps=3")
+    lines = _lines(caplog)
+    assert any(line.startswith("[1/2] data reused") for line in lines), lines
+    assert "[2/2] train … (inputs changed: train.max_steps 2 → 3)" in lines, lines
+    assert steps["train_steps"] == 3 and _mtimes(data_dir) == before
+
+    forced, _ = _run(tmp_path, tiny_target_cfg, "train.max_steps=3", "force=[data]")
+    lines = _lines(caplog)
+    assert "[1/2] data … (force=[data]: its earlier output is replaced)" in lines, lines
+    assert any(line.startswith("[2/2] train … (inputs changed: the data stage's output") for line in lines), lines
+    assert forced["train_steps"] == 3 and _mtimes(data_dir) != before
