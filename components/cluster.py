@@ -135,6 +135,9 @@ def init_ray(cfg: RayConfig) -> dict[str, Any]:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+        # Ray's C++ failure-signal handler dumps a stack for SIGTERM (how Kubernetes, systemd and
+        # docker stop a process); the serve stage stops on SIGTERM cleanly instead
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         ray.init(**local_init_kwargs(cfg, level))
     else:  # ship this checkout's components so cluster workers run the same code as the driver
         import components  # (the stages in pipelines/ run in the driver only: workers never import them)

@@ -11,7 +11,8 @@ Setup: the target (upstream ``target_path`` or the configured one), the drafter
 Serve's HTTP proxy on ``serve.host:serve.port``, the app (``components.serving.app``). Report:
 the MLflow run records which drafter (path, run id, registered version) is served and the
 settings; the endpoint, the Ray dashboard and a sample ``curl`` are printed. With
-``serve.block=true`` (default) the process then serves until Ctrl-C; ``serve.block=false``
+``serve.block=true`` (default) the process then serves until Ctrl-C or SIGTERM (either shuts the
+app, Serve and Ray down and ends with status 0); ``serve.block=false``
 returns once the app is up (tests, scripts), leaving it running in this process's Ray.
 """
 
@@ -20,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
 
-from components.cluster import init_ray
+from components.cluster import init_ray, shutdown_ray
 from components.config import ConfigError, ServeConfig, SpeclineConfig
 from components.serving.app import build_app, model_id
 from components.serving.provenance import DrafterSource, resolve_drafter
@@ -143,15 +145,25 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     source = resolve_drafter(cfg, upstream, tracking_uri(cfg) if tracker.enabled else None)
     key, model = api_key(sc), model_id(cfg)
     init_ray(cfg.ray)
-    start_app(cfg, target_path, source, key)
-    _log(tracker, cfg, source, target_path, model)
     out = {**upstream, "serve_endpoint": endpoint(sc), "serve_app": sc.app_name, "serve_model": model,
-           "serve_drafter_path": source.path, "serve_drafter_run_id": source.run_id,
-           "serve_startup_seconds": time.perf_counter() - t0}
-    tracker.log_metrics({"serve/startup_seconds": out["serve_startup_seconds"]})
-    _announce(sc, model, key, source)
-    if sc.block:
-        _block(sc)
+           "serve_drafter_path": source.path, "serve_drafter_run_id": source.run_id}
+    # Ray's driver exits with status 15 on SIGTERM, mid-shutdown; from here SIGTERM is Ctrl-C
+    previous = signal.signal(signal.SIGTERM, _terminate) if sc.block else None
+    try:
+        start_app(cfg, target_path, source, key)
+        _log(tracker, cfg, source, target_path, model)
+        out["serve_startup_seconds"] = time.perf_counter() - t0
+        tracker.log_metrics({"serve/startup_seconds": out["serve_startup_seconds"]})
+        _announce(sc, model, key, source)
+        if sc.block:
+            print("serve: serving until Ctrl-C or SIGTERM", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
+    except (KeyboardInterrupt, _Stop) as why:
+        _shut_down(sc, "SIGTERM" if isinstance(why, _Stop) else "Ctrl-C")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return out
 
 
@@ -164,16 +176,24 @@ def _announce(sc: ServeConfig, model: str, key: str | None, source: DrafterSourc
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
-def _block(sc: ServeConfig) -> None:
+class _Stop(Exception):
+    """SIGTERM (what Kubernetes, systemd and ``docker stop`` send) while the stage serves."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Stop()
+
+
+def _shut_down(sc: ServeConfig, why: str) -> None:
+    """Deletes the app (requests in flight are cancelled), then shuts Ray down (Serve with it)."""
     from ray import serve
 
-    print("serve: serving until Ctrl-C", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the shutdown short
+    print(f"serve: {why}: shutting down", file=sys.stderr, flush=True)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("serve: shutting down", file=sys.stderr, flush=True)
-        serve.delete(sc.app_name)
+        serve.delete(sc.app_name)  # (serve.shutdown() here races its own controller's graceful shutdown)
+    finally:
+        shutdown_ray()
 
 
 if __name__ == "__main__":

@@ -76,3 +76,33 @@ def test_serve_stage_says_what_is_missing(spec_cfg, tiny_target_build, monkeypat
         serve.run(_cfg(spec_cfg, drafter="none", api_key_env="SPECLINE_TEST_KEY"), tracker, upstream)
     with pytest.raises(ConfigError, match="overload_status"):
         ServeConfig(overload_status=500)
+
+
+def test_sigterm_stops_a_serving_process_as_ctrl_c_does(tmp_path, tiny_target_build):
+    """What Kubernetes, systemd and ``docker stop`` send: the app, Serve and Ray shut down, one
+    line says so, and the process ends with status 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "pipelines.serve", "conf=dspark.yaml", f"target.name_or_path={tiny_target_build[0]}",
+           f"run_dir={tmp_path / 'runs'}", "serve.drafter=none", f"serve.port={port}", "serve.adaptive=false",
+           "serve.cpus_per_replica=0.5", "serve.model_name=tiny", "tracking.enabled=false"]
+    out_file, err_file = tmp_path / "stdout", tmp_path / "stderr"
+    with out_file.open("w") as stdout, err_file.open("w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], stdout=stdout, stderr=stderr,
+                                env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        try:
+            assert wait_for(lambda: proc.poll() is not None or request(port, "GET", "/health")[0] == 200, timeout=240)
+            assert proc.poll() is None, err_file.read_text()[-3000:]
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out, err = out_file.read_text(), err_file.read_text()
+    assert proc.returncode == 0, err[-3000:]
+    assert "serve: SIGTERM: shutting down" in err and "SystemExit" not in err
+    assert json.loads(out)["serve_endpoint"] == f"http://127.0.0.1:{port}"
