@@ -39,7 +39,10 @@ text that repeats itself, hence the token bound (``max_cached_tokens``) beside v
 responses. At most one sequence of a tree grows at a time here (a request's; a response is
 added whole), though the tree stays exact if several do.
 
-Proposals are one-hot q (``model_free.one_hot_proposal``), as prompt lookup's. Asks
+Proposals are one-hot q (``model_free.one_hot_proposal``), as prompt lookup's, with each draft's
+estimated probability given the drafts before it as its confidence (count / total where the
+tree branches, 1 along a continuation seen once), which the adaptive draft cap reads as it reads
+a confidence head's. Asks
 for no target taps (``layer_ids = ()``) and declares only ``LEARNS_RESPONSES`` (no batched
 passes, DLoop, carryover or tree head). Knows nothing about verification, caches or tokenization; who runs
 requests calls ``observe`` with each finished response (declared as
@@ -393,7 +396,11 @@ class SuffixDrafter:
         match or below ``min_score``."""
         best = self.candidate(state, last_token, num_speculative_tokens or self.num_speculative_tokens)
         tokens = best.tokens if best.tokens and best.score >= self.min_score else []
-        return one_hot_proposal(tokens, self.vocab_size, self.device)
+        prop = one_hot_proposal(tokens, self.vocab_size, self.device)
+        if tokens:  # each draft's estimated P(accepted | the drafts before it were): the adaptive cap's survival
+            probs = torch.tensor([1.0] + best.probs[:len(tokens)], dtype=torch.float32)
+            prop.confidences = (probs[1:] / probs[:-1].clamp_min(1e-12)).clamp(0, 1)[None].to(self.device)  # [1, G]
+        return prop
 
     def candidate(self, state: SuffixState, last_token: Tensor, gamma: int) -> Candidate:
         """The best candidate of at most ``gamma`` tokens after ``last_token`` [1] (``speculate``

@@ -11,8 +11,9 @@ unless set), token trees for a lone request (``tree_budget``), the batch size
 cap over the engine's round times profiled once per host and setting and stored under
 ``profile_dir`` (``adaptive_engine``, the set-up the eval stage's ``drafter_adaptive`` shares).
 The drafting settings are resolved once (``resolve_settings``) and kept in ``EngineParts``.
-``serve.drafter=suffix`` serves suffix decoding (no checkpoint, no adaptive cap: its match sizes
-each draft, and a row without a match takes a plain step) and ``hybrid`` suffix decoding beside
+``serve.drafter=suffix`` serves suffix decoding (no checkpoint; its match sizes each draft, the
+adaptive cap reading its estimated probabilities as confidences; a row without a match takes a
+plain step) and ``hybrid`` suffix decoding beside
 the trained drafter; either learns every finished response of the replica (the batch engine
 hands them to it, ``Capability.LEARNS_RESPONSES``).
 
@@ -91,8 +92,7 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
                 "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
                 "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
                 "target_step": notes[-1] if notes else ""}
-    # suffix decoding alone sizes its own drafts by its match (the adaptive cap prices a model's)
-    adapts = sc.adaptive and guarded is not None and source.method != "suffix"
+    adapts = sc.adaptive and guarded is not None
     parts = EngineParts(target, guarded, engine, settings, 0.0, drafting, family, adapts)
     if adapt_now:
         adapt(parts, sc)

@@ -328,3 +328,16 @@ def test_one_hot_q_under_sampling():
     prop = drafter.propose(_state(drafter, [1, 2, 3, 1, 2, 3]), torch.tensor([1]), SamplingParams(temperature=0.7))
     assert prop.tokens.tolist() == [[2, 3, 1, 2]]  # "1 2 3 1" went on with 2, 3; the loop goes on
     assert torch.equal(prop.probs[0], torch.nn.functional.one_hot(torch.tensor([2, 3, 1, 2]), 12).float())
+
+
+def test_confidences_are_each_drafts_estimated_probability_given_the_drafts_before_it():
+    drafter = SuffixDrafter(20, 4, 8, min_token_prob=0.0)
+    # the longest match "0 5 6" went on with 7 once and 8 once (1/2: the smaller id, 7); "0 5 6 7"
+    # occurred once, so its continuation (9, 11) keeps that probability: confidences 1/2, 1, 1
+    state = _state(drafter, [5, 6, 7, 9, 10, 0, 5, 6, 7, 9, 11, 0, 5, 6, 8, 0, 5])
+    prop = drafter.propose(state, torch.tensor([6]))
+    assert prop.tokens.tolist() == [[7, 9, 11]]
+    assert torch.allclose(prop.confidences, torch.tensor([[1 / 2, 1.0, 1.0]]))
+    best = drafter.candidate(state, torch.tensor([6]), 4)
+    assert torch.allclose(prop.confidences.cumprod(-1)[0], torch.tensor(best.probs))
+    assert drafter.propose(_state(drafter, [1, 2]), torch.tensor([3])).confidences is None  # nothing proposed
