@@ -18,9 +18,8 @@ stay in float32 (bfloat16 greedy output differs from float32's).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,11 +32,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.utils import logging as hf_logging
 
 from components.config import EMBEDDED_TARGET, SMOLLM2_TARGET, TINY_TARGET, TargetConfig
 from components.target.attention import choose_attention
 from components.target.corpus import corpus_cache
+from components.target.hfbars import no_hf_bars
 from components.target.promptbank import PromptBankError, ensure_prompt_bank
 from components.target.smollm2 import ConversionError, ensure_smollm2_target
 from components.target.tiny import ensure_tiny_target
@@ -253,18 +252,6 @@ def check_tokenizer_matches(model: PreTrainedModel, tokenizer: PreTrainedTokeniz
         )
 
 
-@contextlib.contextmanager
-def _no_weight_bars() -> Iterator[None]:
-    """transformers' progress bars off for the block (its "Loading weights" bar), then as before."""
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
-
-
 def load_target(cfg: TargetConfig, progress: bool = True) -> Target:
     """Loads the configured target (frozen, eval mode) on its configured device and dtype."""
     path = resolve_target_path(cfg, progress)
@@ -273,7 +260,7 @@ def load_target(cfg: TargetConfig, progress: bool = True) -> Target:
     kwargs = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        with _no_weight_bars():  # a bar over a checkpoint that loads in a second is noise
+        with no_hf_bars():  # a bar over a checkpoint that loads in a second is noise
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except (OSError, ValueError) as err:
         raise TargetError(f"target.name_or_path: cannot load '{path}': {str(err).splitlines()[0]}") from None

@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from components.config import PromptBankConfig
 from components.target import corpus as corpus_mod
+from components.target.hfbars import no_hf_bars
 from components.target.tokenizer import stop_token_ids
 
 BANK_VERSION = 1
@@ -112,7 +113,8 @@ Sampler = Callable[[int], list[str | None]]  # batch index → sampled user turn
 def model_sampler(target_dir: Path, cfg: PromptBankConfig) -> Sampler:
     """Samples ``cfg.batch_size`` user turns per call from the checkpoint in ``target_dir``."""
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with no_hf_bars():
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     stop_ids = stop_token_ids(tokenizer)
     prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False)["input_ids"]
     return lambda batch: sample_turns(model, tokenizer, prefix, cfg.batch_size, stop_ids, cfg, batch)

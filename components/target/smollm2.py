@@ -22,7 +22,6 @@ not import the wheel's package (whose ``__init__`` needs ``llm``), and knows not
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
 import functools
 import hashlib
@@ -31,17 +30,17 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
-from transformers.utils import logging as hf_logging
 
 from components.config import SMOLLM2_TARGET, TargetConfig
+from components.target.hfbars import no_hf_bars
 from components.target.tokenizer import tokenizer_hash
 
 NAME = SMOLLM2_TARGET  # target.name_or_path that selects this checkpoint alone
@@ -174,17 +173,6 @@ def check_converter_packages() -> None:
         )
 
 
-@contextlib.contextmanager
-def _progress_bars(enabled: bool) -> Iterator[None]:
-    """transformers' progress bars on or off for the block, restored afterwards."""
-    was = hf_logging.is_progress_bar_enabled()
-    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
-    try:
-        yield
-    finally:
-        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
-
-
 def plain_copy(gguf_model: PreTrainedModel) -> PreTrainedModel:
     """The same architecture and weights without the GGUF ``quantization_config``."""
     config = copy.deepcopy(gguf_model.config)
@@ -236,19 +224,28 @@ def conversion_check(reference: torch.Tensor, dest: Path, ids: torch.Tensor) -> 
     return check
 
 
-def _load_gguf(source: GgufSource, progress: bool) -> tuple[PreTrainedModel, Any]:
+def _load_gguf(source: GgufSource) -> tuple[PreTrainedModel, Any]:
     check_converter_packages()
     where, name = source.path.parent, source.path.name
-    with _progress_bars(progress):
+    with no_hf_bars():  # transformers' own bars: only specline's reach the console
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     return model.eval(), tokenizer
 
 
 def convert_smollm2(source: GgufSource, sha256: str, dest: Path, progress: bool = True) -> dict[str, Any]:
-    """Converts ``source`` into ``dest`` (a fresh directory) and returns its build info."""
+    """Converts ``source`` into ``dest`` (a fresh directory) and returns its build info; with
+    ``progress``, one line on stderr says so (transformers' own bars stay off)."""
+    if progress:
+        print(f"target '{NAME}': converting {source.path.name} from {source.package} {source.version} "
+              "(once; about 20-60 s)", file=sys.stderr, flush=True)
+    with no_hf_bars():
+        return _convert(source, sha256, dest)
+
+
+def _convert(source: GgufSource, sha256: str, dest: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
-    gguf_model, tokenizer = _load_gguf(source, progress)
+    gguf_model, tokenizer = _load_gguf(source)
     gen = chatml_generation_config(tokenizer)
     ids = check_ids(tokenizer)
     reference = _logits(gguf_model, ids)

@@ -191,3 +191,18 @@ def test_explicit_dtypes_are_kept_and_unknown_ones_name_auto():
     assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bfloat16") == torch.bfloat16
     with pytest.raises(TargetError, match=r"target.dtype: 'fp8' is not one of \['auto', 'bfloat16', 'float16', 'float32'\]"):
         resolve_dtype("fp8")
+
+
+def test_conversion_shows_one_line_of_its_own_and_none_of_transformers_bars(monkeypatch, capsys, tmp_path):
+    from types import SimpleNamespace
+
+    from transformers.utils import logging as hf_logging
+
+    seen = []
+    monkeypatch.setattr(smol, "_convert", lambda *a: seen.append(hf_logging.is_progress_bar_enabled()) or {})
+    hf_logging.enable_progress_bar()
+    source = SimpleNamespace(path=tmp_path / "model.gguf", package=smol.PACKAGE, version="0.1.2")
+    smol.convert_smollm2(source, "0" * 64, tmp_path / "dest", progress=True)
+    assert seen == [False] and hf_logging.is_progress_bar_enabled()  # off inside, as before after
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "converting model.gguf" in err
