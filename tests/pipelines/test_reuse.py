@@ -1,5 +1,6 @@
 """A second run reuses what the first made, and says so; a changed key or ``force`` reruns a stage
-and what follows it. The tiny fixture, data → train with the SMALL settings of test_full."""
+and what follows it. The tiny fixture, data → train with the SMALL settings of test_full (one
+Ray Train worker)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from components import reuse
 from components.config import SpeclineConfig
 from components.confload import load
 from components.reuse import RECORD
@@ -39,10 +41,13 @@ def test_a_stage_run_again_alone_is_reused_with_one_line(tmp_path, capsys):
     assert "data … (force=[data]: its earlier output is replaced)" in capsys.readouterr().err
 
 
+def _cfg(clone: Path, tiny_target_cfg, *extra: str) -> SpeclineConfig:
+    cfg = load("dspark.yaml", [*SMALL, "train.num_workers=1", f"run_dir={clone / 'runs'}", *extra])
+    return dataclasses.replace(cfg, target=tiny_target_cfg)
+
+
 def _run(clone: Path, tiny_target_cfg, *extra: str) -> tuple[dict[str, Any], float]:
-    cfg = dataclasses.replace(load("dspark.yaml", [*SMALL, "train.num_workers=1", f"run_dir={clone / 'runs'}",
-                                                   *extra]),
-                              target=tiny_target_cfg)
+    cfg = _cfg(clone, tiny_target_cfg, *extra)
     tracker = Tracker(cfg)
     t0 = time.perf_counter()
     with tracker.run("pipeline"):
@@ -90,8 +95,11 @@ def test_a_second_run_reuses_data_and_train_and_a_changed_key_or_force_reruns(
     assert "[2/2] train … (inputs changed: train.max_steps 2 → 3)" in lines, lines
     assert steps["train_steps"] == 3 and _mtimes(data_dir) == before
 
-    forced, _ = _run(tmp_path, tiny_target_cfg, "train.max_steps=3", "force=[data]")
+    # force=[data]: data runs again, and the train stage after it would too (deciding is enough:
+    # running it again is the max_steps case above, and keeps this test short)
+    forced, _ = _run(tmp_path, tiny_target_cfg, "train.max_steps=3", "force=[data]", "stages=[data]")
     lines = _lines(caplog)
-    assert "[1/2] data … (force=[data]: its earlier output is replaced)" in lines, lines
-    assert any(line.startswith("[2/2] train … (inputs changed: the data stage's output") for line in lines), lines
-    assert forced["train_steps"] == 3 and _mtimes(data_dir) != before
+    assert "[1/1] data … (force=[data]: its earlier output is replaced)" in lines, lines
+    assert forced["num_records"] == 10 and _mtimes(data_dir) != before
+    train = reuse.decide("train", _cfg(tmp_path, tiny_target_cfg, "train.max_steps=3"), forced)
+    assert not train.reuse and train.why == "inputs changed: the data stage's output (manifest.json)"
