@@ -109,18 +109,24 @@ class StepTarget(Target):
         return taps[..., pick, :] if pick else None
 
     def _forward_slots(self, input_ids: Tensor, cache: SlotCache, layer_ids: Sequence[int]) -> TargetOutput:
-        """ids [B, W]: row b's W new tokens at slots lengths[b].. of slab row rows[b] (padding
-        past a row's real tokens is computed and never committed) → logits [B, W, V]."""
+        """ids [B, W]: row b's new tokens at slots lengths[b].. of slab row rows[b] → logits
+        [B, W, V]. Only a row's real tokens (``cache.new_tokens``, else all W) go through the
+        kernel, as ragged rows; the padding's outputs are zeros, never read."""
         b, w = input_ids.shape
         if cache.length + w > cache.pool.slots:
             raise TargetError(f"target.static_len: a sequence of {cache.length + w} tokens is past the fast step's "
                               f"{cache.pool.slots} cache slots; raise target.static_len (or set target.step: hf)")
-        seq = torch.tensor(cache.rows, dtype=torch.long).repeat_interleave(w)  # [B·W]
-        pos = (torch.tensor(cache.lengths, dtype=torch.long)[:, None] + torch.arange(w)[None, :]).flatten()
-        logits, taps, last = self.decoder.forward_rows(input_ids.flatten(), seq, pos, cache.pool.k, cache.pool.v)
-        picked = self._pick(taps, layer_ids)
-        return TargetOutput(logits.view(b, w, -1), picked.view(b, w, *picked.shape[1:]) if picked is not None else None,
-                            last.view(b, w, -1), cache)
+        counts = torch.tensor(cache.new_tokens if cache.new_tokens is not None else [w] * b, dtype=torch.long)  # [B]
+        real = torch.arange(w)[None, :] < counts[:, None]  # [B, W]: a row's real tokens, then padding
+        seq = torch.tensor(cache.rows, dtype=torch.long).repeat_interleave(counts)  # [N]
+        pos = (torch.tensor(cache.lengths, dtype=torch.long)[:, None] + torch.arange(w)[None, :])[real]  # [N]
+        logits, taps, last = self.decoder.forward_rows(input_ids[real], seq, pos, cache.pool.k, cache.pool.v)
+        picked = self._pick(taps, layer_ids)  # [N, n, H] or None
+        if int(counts.sum()) == b * w:  # no padding
+            return TargetOutput(logits.view(b, w, -1), picked.view(b, w, *picked.shape[1:]) if picked is not None
+                                else None, last.view(b, w, -1), cache)
+        return TargetOutput(_spread(logits, real), _spread(picked, real) if picked is not None else None,
+                            _spread(last, real), cache)
 
     def serves(self, input_ids: Tensor, attention_mask: Tensor | None, layer_ids: Sequence[int], cache: Any,
                position_ids: Tensor | None) -> bool:
@@ -236,3 +242,10 @@ def stream_linears(target: Target, cfg: TargetConfig, lines: Callable[[str], Non
     if lines:
         lines(f"linears: {changed} streamed by the kernel" if changed else f"linears: torch's ({why})")
     return changed
+
+
+def _spread(rows: Tensor, real: Tensor) -> Tensor:
+    """rows [N, ...] of the real positions of real [B, W] → [B, W, ...], zeros at the padding."""
+    out = rows.new_zeros(*real.shape, *rows.shape[1:])
+    out[real] = rows
+    return out

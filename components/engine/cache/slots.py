@@ -57,6 +57,9 @@ class SlotCache:
 
     def __init__(self, pool: SlotPool, rows: list[int], lengths: list[int]):
         self.pool, self.rows, self.lengths = pool, list(rows), list(lengths)
+        # this round's real new tokens per row (``attention_mask``): the rest of the pass's width is
+        # padding, which the forward leaves out; None: every row's whole width is real
+        self.new_tokens: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -67,8 +70,10 @@ class SlotCache:
         """The longest row's committed slots."""
         return max(self.lengths, default=0)
 
-    def attention_mask(self, new_tokens: int) -> None:
-        """No mask: each row reads its own committed slots (the forward knows them)."""
+    def attention_mask(self, new_tokens: int, real: list[int] | None = None) -> None:
+        """No mask: each row reads its own committed slots (the forward knows them). ``real``:
+        how many of the ``new_tokens`` of each row are real (kept for the forward as ``new_tokens``)."""
+        self.new_tokens = None if real is None else [min(int(n), new_tokens) for n in real]
 
     def commit(self, keep: Tensor) -> None:
         """keep [B, W] bool: which of each row's W new slots hold committed tokens (a prefix)."""

@@ -104,3 +104,23 @@ def test_slot_cache_bookkeeping():
     assert a.lengths == [6, 3, 5] and a.length == 6 and a.attention_mask(3) is None
     a.select([2, 0])
     assert a.rows == [2, 0] and a.lengths == [5, 6] and pool.free == [1]
+
+
+def test_a_rounds_padding_is_left_out_of_the_pass_and_the_real_tokens_agree(tiny_target, slot_target):
+    """Rows with fewer new tokens than the pass's width go through the kernel as ragged rows: the
+    real positions' logits and taps are those of the padded pass, the padding's are zeros."""
+    prompts = [tiny_target.tokenizer.encode(t)[:n] for t, n in (("def f(x): return x", 5), ("import os\nimport re", 7))]
+    outs = {}
+    for ragged in (False, True):
+        pool = slot_target.slot_pool(2)
+        cache = SlotCache(pool, [], [])
+        for ids in prompts:
+            cache.concat(slot_target.prefill_slot(pool, torch.tensor([ids])).cache)
+        new = torch.tensor([[11, 12, 13, 14], [21, 22, 0, 0]])  # row 1: two real tokens, two padding
+        assert cache.attention_mask(4, [4, 2] if ragged else None) is None
+        outs[ragged] = slot_target.forward(new, layer_ids=[0], cache=cache, use_cache=True)
+    padded, ragged = outs[False], outs[True]
+    real = torch.tensor([[True] * 4, [True, True, False, False]])
+    assert torch.allclose(padded.logits[real], ragged.logits[real], atol=1e-4)
+    assert torch.allclose(padded.hidden[real], ragged.hidden[real], atol=1e-4)
+    assert not ragged.logits[~real].any()
