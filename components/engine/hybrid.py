@@ -74,8 +74,7 @@ from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal, row_settings
 from components.drafters.capabilities import Capability, has
-from components.engine.model_free import one_hot_proposal
-from components.engine.suffix import SuffixDrafter, SuffixState
+from components.engine.suffix import SuffixDrafter, SuffixState, conditionals, suffix_proposal
 from components.spec.sampling import SamplingParams
 
 SUFFIX, MODEL = "suffix", "model"  # the sides, as ``drafted_by`` counts them
@@ -95,6 +94,7 @@ class HybridState:
     trained: Any  # the trained drafter's state: committed positions (+ carry rows, one round)
     suffix: SuffixState  # the committed ids
     suffix_draft: list[int] | None = None  # this round's suffix tokens from this state's proposal on
+    suffix_conf: list[float] | None = None  # their confidences (``suffix.conditionals``)
     stage: bool = False  # a later DLoop stage's state (never committed)
 
 
@@ -184,7 +184,8 @@ class HybridDrafter:
         (states [1, k, 0] carry nothing else); a model round's is the trained drafter's own
         (states [1, k, H])."""
         if state.suffix_draft is not None:
-            return HybridState(state.trained, state.suffix, state.suffix_draft[states.shape[1]:], stage=True)
+            k = states.shape[1]
+            return HybridState(state.trained, state.suffix, state.suffix_draft[k:], state.suffix_conf[k:], stage=True)
         return HybridState(self.trained.consume_own(state.trained, states), state.suffix, None, stage=True)
 
     def _suffix_stage(self, state: HybridState, last_token: Tensor, gamma: int) -> Proposal | None:
@@ -194,11 +195,12 @@ class HybridDrafter:
             best = self.suffix.candidate(state.suffix, last_token, self.suffix.num_speculative_tokens)
             chosen = bool(best.tokens) and best.score >= self.threshold
             state.suffix_draft = best.tokens if chosen else None
+            state.suffix_conf = conditionals(best.probs) if chosen else None
             self.drafted_by[SUFFIX if chosen else MODEL] += 1
         if state.suffix_draft is None:
             return None
         tokens, rest = state.suffix_draft[:gamma], state.suffix_draft[gamma:]
-        prop = one_hot_proposal(tokens, self.suffix.vocab_size, self.suffix.device)
+        prop = suffix_proposal(tokens, state.suffix_conf[:gamma], self.suffix.vocab_size, self.suffix.device)
         prop.states = torch.zeros(1, len(tokens), 0, device=prop.tokens.device) if rest else None  # [1, k, 0]
         return prop
 

@@ -396,11 +396,7 @@ class SuffixDrafter:
         match or below ``min_score``."""
         best = self.candidate(state, last_token, num_speculative_tokens or self.num_speculative_tokens)
         tokens = best.tokens if best.tokens and best.score >= self.min_score else []
-        prop = one_hot_proposal(tokens, self.vocab_size, self.device)
-        if tokens:  # each draft's estimated P(accepted | the drafts before it were): the adaptive cap's survival
-            probs = torch.tensor([1.0] + best.probs[:len(tokens)], dtype=torch.float32)
-            prop.confidences = (probs[1:] / probs[:-1].clamp_min(1e-12)).clamp(0, 1)[None].to(self.device)  # [1, G]
-        return prop
+        return suffix_proposal(tokens, conditionals(best.probs[:len(tokens)]), self.vocab_size, self.device)
 
     def candidate(self, state: SuffixState, last_token: Tensor, gamma: int) -> Candidate:
         """The best candidate of at most ``gamma`` tokens after ``last_token`` [1] (``speculate``
@@ -429,6 +425,21 @@ class SuffixDrafter:
         """Drops the response kept under ``key`` (call before running that request again, so
         that it is not drafted from its own earlier answer)."""
         self.responses.forget(key)
+
+
+def conditionals(probs: Sequence[float]) -> list[float]:
+    """A draft's running probabilities (p_1, p_1·c_2, ...) → each token's own c_k = p_k / p_{k-1}:
+    its estimated probability of acceptance given the drafts before it were accepted."""
+    before = [1.0, *probs[:-1]]
+    return [min(1.0, p / max(b, 1e-12)) for p, b in zip(probs, before)]
+
+
+def suffix_proposal(tokens: list[int], confidences: list[float], vocab_size: int, device: torch.device) -> Proposal:
+    """One-hot q over ``tokens`` with ``confidences`` (the adaptive cap's survival estimates)."""
+    prop = one_hot_proposal(tokens, vocab_size, device)
+    if tokens:
+        prop.confidences = torch.tensor([confidences[:len(tokens)]], dtype=torch.float32, device=device)  # [1, G]
+    return prop
 
 
 def suffix_drafter(section: Any, vocab_size: int, device: torch.device | str = "cpu") -> SuffixDrafter:

@@ -247,6 +247,7 @@ def test_a_suffix_round_continues_over_dloop_stages(tiny_target):
     rnd = new_randomness(SamplingParams(), 0, torch.device("cpu"))
     prop, drafts = draft_chain(draft, settings, get_rule("greedy"), seq, settings.max_cap, rnd)
     assert drafts[0].tolist() == reference[4:13] and prop.tokens.shape == (1, 9)
+    assert prop.confidences is not None and prop.confidences.shape == (1, 9)  # every stage's, for the adaptive cap
     assert seq.draft_state is state and state.trained.length == 3 and state.suffix.length == 3
     assert draft.drafted_by == Counter({SUFFIX: 1})
 
