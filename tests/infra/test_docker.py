@@ -18,6 +18,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from components.config import PROJECT_ROOT, ServeConfig
+from components.confload import load_cli
 from tests.infra.manifests import INFRA
 
 DOCKERFILES = [INFRA / "docker" / "Dockerfile.cpu", INFRA / "docker" / "Dockerfile.cuda", INFRA / "mlflow" / "Dockerfile"]
@@ -105,6 +106,7 @@ def test_images_run_a_specline_entry_point_on_a_conf_that_exists(path):
     assert PROJECT_ROOT.joinpath(*cmd[2].split(".")).with_suffix(".py").is_file(), cmd[2]
     conf = next(a.split("=", 1)[1] for a in cmd[3:] if a.startswith("conf="))
     assert (PROJECT_ROOT / "conf" / conf).is_file(), conf
+    load_cli(cmd[3:])  # the conf and its overrides load against the schema
     exposed = {int(p) for p in re.findall(r"^EXPOSE (.+)$", path.read_text(), re.MULTILINE)[0].split()}
     assert {ServeConfig().port, 8265, 6379} <= exposed
     ignore = path.with_name(path.name + ".dockerignore").read_text().split()
