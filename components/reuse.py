@@ -341,7 +341,7 @@ def recorded_upstream(stage: str, cfg: SpeclineConfig, artifacts: dict[str, Any]
             continue
         decision = decide(prior, cfg, artifacts, forceable=False)
         if decision is not None and decision.reuse:
-            artifacts = reused(decision, artifacts)
+            artifacts = {**reused(decision, {}), **artifacts}  # what the caller passed comes first
             taken.append(decision)
             looked[prior] = ""
         else:

@@ -94,6 +94,10 @@ def test_a_second_run_reuses_data_and_train_and_a_changed_key_or_force_reruns(
     assert any(line.startswith("[1/2] data reused") for line in lines), lines
     assert "[2/2] train … (inputs changed: train.max_steps 2 → 3)" in lines, lines
     assert steps["train_steps"] == 3 and _mtimes(data_dir) == before
+    # "stages=[eval]" now: the recorded data and train outputs of this config are its upstream
+    alone = _cfg(tmp_path, tiny_target_cfg, "train.max_steps=3", "stages=[eval]")
+    upstream, taken = reuse.recorded_upstream("eval", alone, {}, {})
+    assert [d.stage for d in taken] == ["data", "train"] and upstream["drafter_path"] == steps["drafter_path"]
 
     # force=[data]: data runs again, and the train stage after it would too (deciding is enough:
     # running it again is the max_steps case above, and keeps this test short)
