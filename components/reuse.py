@@ -177,7 +177,7 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _short(text: str | None, width: int = 40) -> str:
-    text = "unset" if text is None else text
+    text = "unset" if text is None else text[1:-1] if text.startswith('"') else text  # strings unquoted
     return text if len(text) <= width else text[:width - 1] + "…"
 
 

@@ -107,3 +107,18 @@ def test_a_second_run_reuses_data_and_train_and_a_changed_key_or_force_reruns(
     assert forced["num_records"] == 10 and _mtimes(data_dir) != before
     train = reuse.decide("train", _cfg(tmp_path, tiny_target_cfg, "train.max_steps=3"), forced)
     assert not train.reuse and train.why == "inputs changed: the data stage's output (manifest.json)"
+
+
+def test_the_target_stage_is_reused_too_and_its_record_lives_under_run_dir(tmp_path, tiny_target_cfg,
+                                                                           tiny_target_build, capsys):
+    from tests.pipelines.test_target import _conf
+
+    argv = [f"conf={_conf(tmp_path, tiny_target_cfg, ['target'])}", "tracking.enabled=false"]
+    assert main(full.run, "pipeline", argv) == 0
+    assert (tmp_path / "runs" / "target" / RECORD).is_file()
+    capsys.readouterr()
+    assert main(full.run, "pipeline", argv) == 0
+    err = capsys.readouterr().err
+    assert "[1/1] target reused: " in err and ", cached (same config and inputs; force=[target] reruns)" in err
+    assert main(full.run, "pipeline", [*argv, "target.dtype=bfloat16"]) == 0
+    assert "[1/1] target … (inputs changed: target.dtype float32 → bfloat16)" in capsys.readouterr().err
