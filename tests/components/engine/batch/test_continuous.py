@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.engine import PromptLookupDrafter, SpeculativeEngine, SuffixDrafter, target_only_generate
+from components.engine import (
+    PromptLookupDrafter,
+    SpeculativeEngine,
+    SuffixDrafter,
+    target_only_generate,
+)
 from components.engine.batch import BatchEngine, Request
 from components.spec.sampling import SamplingParams
 from tests.components.engine.doubles import ScriptedDrafter
