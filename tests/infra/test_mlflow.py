@@ -38,40 +38,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """(tracking URI, artifact root) of an ``mlflow server`` on loopback, stopped afterwards."""
-    root = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
-    mlflow_cli = Path(sys.executable).parent / "mlflow"  # the environment's own entry point
-    log = (root / "server.log").open("wb")
-    proc = subprocess.Popen(
-        [str(mlflow_cli), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, cwd=root)
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
+class Server:
+    """An ``mlflow server`` process: started at once, waited for with ``ready()`` (so that its
+    start-up overlaps the other fixtures')."""
+
+    def __init__(self, root: Path):
+        self.root, self.port = root, _free_port()
+        self.uri, self.artifacts = f"http://127.0.0.1:{self.port}", root / "artifacts"
+        self.log = (root / "server.log").open("wb")
+        mlflow_cli = Path(sys.executable).parent / "mlflow"  # the environment's own entry point
+        self.proc = subprocess.Popen(
+            [str(mlflow_cli), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(self.artifacts)],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=root)
+
+    def ready(self, timeout_s: float = 90) -> str:
+        deadline = time.monotonic() + timeout_s
         while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited ({proc.returncode}):\n{(root / 'server.log').read_text()[-3000:]}")
+            if self.proc.poll() is not None:
+                pytest.fail(f"mlflow server exited ({self.proc.returncode}):\n"
+                            f"{(self.root / 'server.log').read_text()[-3000:]}")
             try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as resp:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as resp:
                     if resp.status == 200:
-                        break
+                        return self.uri
             except OSError:
                 pass
-            assert time.monotonic() < deadline, "mlflow server did not answer /health within 90 s"
+            assert time.monotonic() < deadline, f"mlflow server did not answer /health within {timeout_s} s"
             time.sleep(0.5)
-        yield uri, root / "artifacts"
-    finally:
-        proc.terminate()
+
+    def stop(self) -> None:
+        self.proc.terminate()
         try:
-            proc.wait(timeout=20)
+            self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """An ``mlflow server`` on a free loopback port (SQLite, local artifacts), stopped afterwards."""
+    server = Server(tmp_path_factory.mktemp("mlflow-server"))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def test_a_pipeline_run_is_tracked_on_the_server_and_read_back(
@@ -81,7 +94,7 @@ def test_a_pipeline_run_is_tracked_on_the_server_and_read_back(
 
     from pipelines import full
 
-    uri, artifact_root = mlflow_server
+    uri, artifact_root = mlflow_server.ready(), mlflow_server.artifacts
     monkeypatch.chdir(tmp_path)
     cfg = load("dspark.yaml", [*SMALL, f"tracking.tracking_uri={uri}"])
     assert cfg.tracking.tracking_uri == uri  # a server's address is left as it is (not made a path)
