@@ -4,7 +4,7 @@ the KubeRay resources valid against a schema of the fields they use; and the cro
 images are built by a Dockerfile of infra/docker whose Ray version is the manifests' rayVersion,
 every RayJob entrypoint is a specline module with a main run on a conf of conf/ whose overrides
 load, the jobs run on the RayCluster of this folder, the RayService serves infra/serve-llm.yaml
-on specline's serve port and route, volumes and ports named where they are used exist, and the
+(valid for Ray Serve's own deploy schema) on specline's serve port and route, volumes and ports named where they are used exist, and the
 GPU preset fits the GPUs and CPUs the pods request."""
 
 from __future__ import annotations
@@ -175,9 +175,15 @@ def test_ports_agree_with_the_serve_config_and_each_other():
             assert {p["targetPort"] for p in svc["spec"]["ports"]} <= names
 
 
-def test_the_rayservice_embeds_serve_llm_yaml():
-    service = one("RayService")
-    assert yaml.safe_load(service["spec"]["serveConfigV2"]) == yaml.safe_load((INFRA / "serve-llm.yaml").read_text())
+def test_the_rayservice_embeds_serve_llm_yaml_as_ray_serve_reads_it():
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load(one("RayService")["spec"]["serveConfigV2"])
+    assert config == yaml.safe_load((INFRA / "serve-llm.yaml").read_text())
+    parsed = ServeDeploySchema(**config)  # what `serve deploy` and KubeRay's serveConfigV2 go through
+    assert parsed.http_options.port == ServeConfig().port and parsed.applications[0].route_prefix == "/"
+    with pytest.raises(ValueError):
+        ServeDeploySchema(**{**config, "http_options": {"port": "eight thousand"}})
 
 
 def test_the_gpu_preset_fits_the_cluster():
