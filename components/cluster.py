@@ -3,7 +3,7 @@
 Local by default (a fresh single-node instance sized for this machine), or an existing
 cluster when ``ray.address`` is ``auto`` or ``ray://host:port``. Local settings are tuned for
 small boxes: token auth off (Ray 2.5x turns it on for local clusters), a bounded object store,
-no dashboard unless asked, and a logical CPU count that lets Ray Data and Ray Train workers
+the dashboard on loopback (its URL printed as Ray starts), and a logical CPU count that lets Ray Data and Ray Train workers
 with fractional CPUs run side by side instead of starving each other.
 
 Within a log session (:mod:`components.logs`) the output Ray's workers stream to the driver
@@ -40,10 +40,13 @@ def local_init_kwargs(cfg: RayConfig, level: str | None = None) -> dict[str, Any
     kwargs: dict[str, Any] = {
         "num_cpus": cfg.num_cpus or os.cpu_count() or 1,
         "include_dashboard": cfg.include_dashboard,
+        **({"dashboard_host": cfg.dashboard_host} if cfg.include_dashboard else {}),
         "log_to_driver": True,
         "configure_logging": True,
         "logging_level": "WARNING",
     }
+    if cfg.include_dashboard and cfg.dashboard_port is not None:
+        kwargs["dashboard_port"] = cfg.dashboard_port
     if cfg.object_store_memory_mb:
         kwargs["object_store_memory"] = cfg.object_store_memory_mb * 1024 * 1024
     if env := worker_env(level):
@@ -148,7 +151,20 @@ def init_ray(cfg: RayConfig) -> dict[str, Any]:
         ray.init(address=cfg.address, logging_level="WARNING", runtime_env=runtime_env)
     route_worker_output(level)
     quiet_driver(level)
+    if url := dashboard_url():
+        logging.getLogger(logs.CONSOLE_LOGGER).info("Ray dashboard: %s", url)
     return ray.cluster_resources()
+
+
+def dashboard_url() -> str | None:
+    """The Ray dashboard's address (http://host:port), None when it is off."""
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        url = get_dashboard_url()
+    except Exception:  # noqa: BLE001  (no dashboard)
+        return None
+    return (url if url.startswith("http") else f"http://{url}") if url else None
 
 
 def shutdown_ray() -> None:

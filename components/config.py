@@ -452,7 +452,11 @@ class RayConfig:
     address: str | None = None
     num_cpus: int | None = None  # local only; None = this machine's cores
     object_store_memory_mb: int | None = 1024  # local only
-    include_dashboard: bool = False  # local only
+    # local only: the Ray dashboard on loopback (its URL is printed at start); on 2 cores it adds
+    # about 3 s to Ray's start and ~1 GB of resident memory in its module processes (docs/results.md)
+    include_dashboard: bool = True
+    dashboard_host: str = "127.0.0.1"  # 0.0.0.0 to reach it from other machines
+    dashboard_port: int | None = None  # None: 8265, or the next free port when taken (a set port must be free)
     disable_auth_locally: bool = True  # local/CI only: Ray 2.5x enables token auth by default
 
 

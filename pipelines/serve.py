@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from components.cluster import init_ray, shutdown_ray
+from components.cluster import dashboard_url, init_ray, shutdown_ray
 from components.config import ConfigError, ServeConfig, SpeclineConfig
 from components.serving.app import build_app, model_id
 from components.serving.provenance import DrafterSource, resolve_drafter
@@ -114,16 +114,6 @@ def _first_cause(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else "unknown error"
 
 
-def _dashboard() -> str | None:
-    try:
-        from ray._private.worker import get_dashboard_url
-
-        url = get_dashboard_url()
-        return f"http://{url}" if url and not url.startswith("http") else url or None
-    except Exception:  # noqa: BLE001  (no dashboard: include_dashboard is off)
-        return None
-
-
 def _metrics_port() -> int | None:
     import ray
 
@@ -168,7 +158,7 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
 
 
 def _announce(sc: ServeConfig, model: str, key: str | None, source: DrafterSource) -> None:
-    port, dash = _metrics_port(), _dashboard()
+    port, dash = _metrics_port(), dashboard_url()
     lines = [f"serve: {model} (drafter: {source.label}, from {source.origin}) at {endpoint(sc)}/v1",
              (f"serve: Ray dashboard {dash or 'off (ray.include_dashboard=true to enable)'}; "
              f"metrics: {endpoint(sc)}/metrics (this replica), Ray metrics port {port} (all replicas, ray_ prefix)"),
