@@ -108,6 +108,22 @@ class Tracker:
         if self.enabled:
             self._mlflow.set_tags({k: str(v)[:MAX_PARAM_LEN] for k, v in tags.items()})
 
+    def active_run_id(self) -> str | None:
+        """The id of the MLflow run in progress (the stage's), None when tracking is off."""
+        if not self.enabled:
+            return None
+        active = self._mlflow.active_run()
+        return active.info.run_id if active else None
+
+    def tag_model_version(self, name: str, version: int, tags: dict[str, Any]) -> None:
+        """Tags version ``version`` of registered model ``name`` (e.g. with the eval stage's figures)."""
+        if self.enabled:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri(self.cfg))
+            for key, value in tags.items():
+                client.set_model_version_tag(name, str(version), key, str(value)[:MAX_PARAM_LEN])
+
     def log_params(self, params: dict[str, Any]) -> None:
         if self.enabled:
             self._mlflow.log_params({k: str(v)[:MAX_PARAM_LEN] for k, v in params.items()})

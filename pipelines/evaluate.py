@@ -111,6 +111,18 @@ def _log(tracker: Tracker, cfg: SpeclineConfig, report: EvalReport, offline: dic
         tracker.log_artifacts(out / "plots", "eval/plots")
 
 
+def _tag_registered(tracker: Tracker, cfg: SpeclineConfig, upstream: dict[str, Any], report: EvalReport) -> None:
+    """The registered drafter version the train stage made carries what this eval measured of it
+    (τ and speedup per method over all prompts, and this eval's run), unless another drafter
+    (``eval.drafter_path``) was evaluated."""
+    version = upstream.get("registered_version")
+    if version is None or cfg.eval.drafter_path or not cfg.train.register_as:
+        return
+    tags = {f"eval.{m}.{k}": round(float(v), 4) for m, sm in report.summaries.items()
+            for k, v in (("tau", sm.tau), ("speedup", sm.speedup)) if v is not None}
+    tracker.tag_model_version(cfg.train.register_as, int(version), tags | {"eval.run_id": tracker.active_run_id()})
+
+
 def _shout(report: EvalReport) -> None:
     for name in report.failures:
         s = report.summaries[name]
@@ -145,6 +157,7 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     offline = rep.offline_vs_engine(report, upstream.get("heldout_tau"), upstream.get("heldout_alpha"))
     out = Path(cfg.eval.output_dir)
     _log(tracker, cfg, report, offline, out)
+    _tag_registered(tracker, cfg, upstream, report)
     s = report.summaries
     return {**upstream, "eval_dir": str(out), "eval_results": str(out / "results.json"),
             "eval_methods": methods, "eval_prompts": len(prompts),

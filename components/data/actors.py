@@ -27,11 +27,14 @@ from components.data.shards import ShardSpec, write_shard
 
 
 def actor_options(cfg: DataConfig) -> dict[str, Any]:
-    """``map_batches`` resources: a fixed pool of actors, each with its configured CPUs/GPUs."""
+    """``map_batches`` resources: a fixed pool of actors, each with its configured CPUs/GPUs.
+    An actor that dies is not restarted (Ray Data's default restarts it forever, and Ray warns
+    about every such actor, ray-project/ray#53727): the stage fails with its error, and running
+    it again keeps the shards already written and generates the rest."""
     import ray.data
 
     opts: dict[str, Any] = {"compute": ray.data.ActorPoolStrategy(size=cfg.num_actors),
-                            "num_cpus": cfg.cpus_per_actor}
+                            "num_cpus": cfg.cpus_per_actor, "max_restarts": 0}
     if cfg.gpus_per_actor:
         opts["num_gpus"] = cfg.gpus_per_actor
     return opts

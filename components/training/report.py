@@ -70,12 +70,7 @@ def plot_alpha(evals: dict[str, Eval], path: Path) -> Path | None:
 
 def active_run_id(tracker: Tracker) -> str | None:
     """The id of the MLflow run in progress (the stage's), None when tracking is off."""
-    if not tracker.enabled:
-        return None
-    import mlflow
-
-    active = mlflow.active_run()
-    return active.info.run_id if active else None
+    return tracker.active_run_id()
 
 
 def register(tracker: Tracker, cfg: SpeclineConfig, run_id: str | None, artifact: str) -> int | None:

@@ -40,9 +40,16 @@ def _cfg(spec_cfg: SpeclineConfig, tiny_target_build, **ev) -> SpeclineConfig:
 def test_eval_stage_logs_tables_plots_and_offline_vs_engine(spec_cfg, tiny_target_build, saved_drafter):
     cfg = _cfg(spec_cfg, tiny_target_build)
     tracker = Tracker(cfg)
-    upstream = {"drafter_path": str(saved_drafter), "heldout_tau": 1.4, "heldout_alpha": [0.3, 0.1, 0.05, 0.01]}
+    client = MlflowClient(f"sqlite:///{Path(cfg.run_dir) / 'mlflow.db'}")
+    client.create_registered_model(cfg.train.register_as)  # as the train stage registers its drafter
+    version = client.create_model_version(cfg.train.register_as, str(saved_drafter)).version
+    upstream = {"drafter_path": str(saved_drafter), "heldout_tau": 1.4, "heldout_alpha": [0.3, 0.1, 0.05, 0.01],
+                "registered_version": version}
     with tracker.run("eval") as run_id:
         out = evaluate.run(cfg, tracker, upstream)
+    tags = client.get_model_version(cfg.train.register_as, version).tags  # the registered drafter carries its eval
+    assert tags["eval.run_id"] == run_id and float(tags["eval.drafter.tau"]) == pytest.approx(out["eval_tau"]["drafter"],
+                                                                                             abs=1e-4)
     assert out["eval_lossless_failures"] == []
     sets = list(out["eval_sets"])
     assert {"humaneval", "summarise"} <= set(sets) and out["eval_prompts"] == len(sets)
@@ -51,7 +58,6 @@ def test_eval_stage_logs_tables_plots_and_offline_vs_engine(spec_cfg, tiny_targe
     assert out["eval_offline_tau"] == 1.4 and out["eval_engine_tau"] >= 1.0
     assert all(out["eval_lossless"][m] for m in EVAL.methods if m != "target_only")
 
-    client = MlflowClient(f"sqlite:///{Path(cfg.run_dir) / 'mlflow.db'}")
     metrics = client.get_run(run_id).data.metrics
     for m in EVAL.methods:
         assert {f"eval/{m}/tau", f"eval/{m}/tokens_per_s", f"eval/{m}/speedup"} <= set(metrics), m
