@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import sys
 import time
@@ -29,22 +28,11 @@ from typing import Any
 from components.cluster import dashboard_url, init_ray, shutdown_ray
 from components.config import ConfigError, ServeConfig, SpeclineConfig
 from components.serving.app import build_app, model_id
+from components.serving.auth import api_key
 from components.serving.provenance import DrafterSource, resolve_drafter
 from components.target.hf import resolve_target_path
 from components.tracking import Tracker, tracking_uri
 from pipelines.cli import main
-
-
-def api_key(sc: ServeConfig) -> str | None:
-    """``serve.api_key``, else the environment variable ``serve.api_key_env`` names (which must be set)."""
-    if sc.api_key:
-        return sc.api_key
-    if sc.api_key_env:
-        key = os.environ.get(sc.api_key_env)
-        if not key:
-            raise ConfigError(f"serve.api_key_env: the environment variable '{sc.api_key_env}' is not set or empty")
-        return key
-    return None
 
 
 def endpoint(sc: ServeConfig) -> str:

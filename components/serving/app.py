@@ -14,7 +14,8 @@ needs it, a route added later included. Bodies are parsed by ``protocol.py``, no
 models, so every client mistake is a 400 (413 for a body over ``serve.max_body_bytes``, 404 for
 another model, 401 without the API key) with an OpenAI error body; no OpenAPI schema is served.
 ``build_app(cfg, target_path, source, api_key)`` gives the bound deployment for ``serve.run``;
-``deployment_options(sc)`` the Serve settings.
+``deployment_options(sc)`` the Serve settings; ``app_builder(args)`` the same from a Serve config
+file (``import_path: components.serving.app:app_builder``, ``infra/serve-specline.yaml``).
 
 Overload. A replica's own admission (``Replica.admit``) refuses a generation request past its
 capacity (``max_ongoing_requests`` running + ``max_queued_requests`` waiting) at once, before
@@ -57,7 +58,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from components.config import ServeConfig, SpeclineConfig
+from components.config import ConfigError, ServeConfig, SpeclineConfig
 from components.serving import generation
 from components.serving.auth import key_dependency
 from components.serving.protocol import (
@@ -225,3 +226,24 @@ def build_app(cfg: SpeclineConfig, target_path: str, source: DrafterSource, api_
 
     server = serve.deployment(make_server_class(), name="SpeclineServer", **deployment_options(cfg.serve))
     return server.bind(cfg, target_path, source, api_key)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """The app from a Serve config (``import_path: components.serving.app:app_builder``, e.g. a
+    KubeRay RayService's ``serveConfigV2`` or ``serve run``): ``args`` = ``{"conf": "dspark.yaml",
+    "overrides": ["serve.drafter=suffix", ...]}``, read as the command line reads them. The
+    drafter comes from ``serve.drafter_path``, ``serve.drafter_run_id`` or ``serve.drafter:
+    suffix``/``none`` (there is no train stage upstream); the target is resolved (built or
+    converted on first use) here, in the process that builds the app."""
+    from components.confload import load_cli
+    from components.serving.auth import api_key
+    from components.serving.provenance import resolve_drafter
+    from components.target.hf import resolve_target_path
+    from components.tracking import tracking_uri
+
+    unknown = set(args) - {"conf", "overrides"}
+    if unknown:
+        raise ConfigError(f"app_builder args: unknown {sorted(unknown)}; use conf and overrides")
+    cfg = load_cli([f"conf={args.get('conf', 'dspark.yaml')}", *list(args.get("overrides") or [])])
+    source = resolve_drafter(cfg, {}, tracking_uri(cfg) if cfg.tracking.enabled else None)
+    return build_app(cfg, resolve_target_path(cfg.target, progress=False), source, api_key(cfg.serve))

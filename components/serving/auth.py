@@ -13,10 +13,12 @@ request's text). Knows FastAPI's ``Request``; nothing about the routes' work.
 """
 
 import hmac
+import os
 from collections.abc import Callable
 
 from fastapi import Request
 
+from components.config import ConfigError, ServeConfig
 from components.serving.protocol import APIError
 
 PUBLIC = frozenset({"/health", "/metrics"})
@@ -33,3 +35,15 @@ def key_dependency(key: str | None) -> Callable[[Request], None]:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
     return check_key
+
+
+def api_key(sc: ServeConfig) -> str | None:
+    """``serve.api_key``, else the environment variable ``serve.api_key_env`` names (which must be set)."""
+    if sc.api_key:
+        return sc.api_key
+    if sc.api_key_env:
+        key = os.environ.get(sc.api_key_env)
+        if not key:
+            raise ConfigError(f"serve.api_key_env: the environment variable '{sc.api_key_env}' is not set or empty")
+        return key
+    return None
