@@ -1,12 +1,14 @@
 """The pipeline as a new user starts it: from a fresh working directory with the default relative
 ``run_dir``, data → train through Ray Train with 2 workers and a reduced draft vocabulary (the
-default conf's shape). Ray Train's workers run in directories of Ray's own; every path they read
-must be the driver's."""
+default conf's shape) → eval → serve, one request through the official ``openai`` client; then
+the same run again reuses every stage but serve, and says so. Ray Train's workers run in
+directories of Ray's own; every path they read must be the driver's."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import signal
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 from components.confload import load
 from components.tracking import Tracker
 from pipelines import full
+from tests.components.serving.http_util import free_port, request, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -26,18 +29,39 @@ SMALL = ["stages=[data,train]", "data.max_prompts=10", "data.max_new_tokens=12",
          "train.max_failures=0", "eval.num_prompts=1"]
 
 
-def test_data_then_train_from_a_fresh_directory_with_the_default_relative_run_dir(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_target_cfg, tiny_target_build, ray_session):
+def test_the_whole_pipeline_from_a_fresh_directory_then_again_reused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tiny_target_cfg,
+        tiny_target_build, ray_session):
+    from openai import OpenAI
+    from ray import serve as ray_serve
+
     clone = tmp_path / "clone"
     clone.mkdir()
     monkeypatch.chdir(clone)
-    cfg = load("dspark.yaml", SMALL)
+    port = free_port()
+    cfg = load("dspark.yaml", [*SMALL, "stages=[data,train,eval,serve]", "eval.methods=[target_only,drafter]",
+                               "eval.max_new_tokens=8", "serve.block=false", f"serve.port={port}",
+                               "serve.adaptive=false", "serve.cpus_per_replica=0.5", "serve.model_name=tiny"])
     assert cfg.run_dir == str(clone / "runs")  # the default run_dir: relative, made absolute here
     cfg = dataclasses.replace(cfg, target=tiny_target_cfg)
     tracker = Tracker(cfg)
     ctrl_c = signal.getsignal(signal.SIGINT)
-    with tracker.run("pipeline"):
-        out = full.run(cfg, tracker, {})
+    caplog.set_level(logging.INFO, logger="specline")
+    try:
+        with tracker.run("pipeline"):
+            out = full.run(cfg, tracker, {})
+        assert out["eval_lossless"]["drafter"] and wait_for(lambda: request(port, "GET", "/health")[0] == 200, 120)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        done = client.completions.create(model="tiny", prompt="def read(", max_tokens=6, temperature=0)
+        assert 1 <= done.usage.completion_tokens <= 6 and done.model_extra["specline"]["spec_decode"]["num_drafts"] >= 1
+        caplog.clear()
+        with tracker.run("pipeline"):
+            again = full.run(cfg, tracker, {})
+        reused = [r.getMessage().split(" reused")[0] for r in caplog.records if " reused: " in r.getMessage()]
+        assert reused == ["[1/4] data", "[2/4] train", "[3/4] eval"]  # serve, a live service, starts again
+        assert again["drafter_path"] == out["drafter_path"] and again["serve_endpoint"] == out["serve_endpoint"]
+    finally:
+        ray_serve.shutdown()
     assert signal.getsignal(signal.SIGINT) is ctrl_c  # Ray Train's handler would swallow the serve stage's Ctrl-C
     assert out["num_records"] == 10 and Path(out["data_dir"]) == clone / "runs" / "data"
     assert Path(out["drafter_path"]) == clone / "runs" / "train" / "drafter"
