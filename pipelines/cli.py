@@ -4,7 +4,8 @@ Parses ``conf=<file> key=value ... [-v|--verbose]``, opens the run's log session
 (``components.logs``: the console shows one line per stage start and end with its wall time and
 headline figure, ``<run_dir>/logs/<timestamp>-<name>.log`` gets everything; ``-v`` is
 ``log_level=verbose``), turns the known user errors into one clear line on stderr (exit status
-2) instead of a traceback, and prints the stage's result as JSON on stdout.
+2) and Ctrl-C into the stage's "interrupted" line (exit status 130) instead of a traceback, and
+prints the stage's result as JSON on stdout.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pipelines.headlines import duration, headline, plan
 
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, CorpusError, ConversionError, DrafterError)
 VERBOSE_FLAGS = ("-v", "--verbose")
+INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as shells report it
 
 StageFn = Callable[[SpeclineConfig, Tracker, dict[str, Any]], dict[str, Any]]
 
@@ -119,5 +121,7 @@ def main(stage: StageFn, name: str, argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the stage's end line said so; what it wrote is whole (a rerun resumes)
+        return INTERRUPTED
     print(text)
     return 0
