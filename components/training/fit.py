@@ -86,6 +86,8 @@ def launch(cfg: SpeclineConfig, dataset: Any, loop_config: dict[str, Any], stora
     ctrl_c = signal.getsignal(signal.SIGINT)
     try:
         return trainer.fit()
+    except SystemExit as stop:  # Ray Train's Ctrl-C handler aborts the run, then exits the driver
+        raise KeyboardInterrupt("train: interrupted; running it again resumes from the last checkpoint") from stop
     except Exception as err:
         text = str(err).strip()
         raise TrainingFailed(f"train: Ray Train failed after {tc.max_failures} restart(s): "

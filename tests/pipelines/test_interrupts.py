@@ -1,25 +1,37 @@
-"""Ctrl-C in the middle of the data stage: one "interrupted" line, exit status 130, no traceback,
-nothing half-written; running it again keeps the shards already written, writes the rest, and
-gives the record set an uninterrupted run gives (greedy rollouts: the same tokens)."""
+"""Ctrl-C in the middle of the data stage and of the train stage: one "interrupted" line, exit
+status 130, no traceback, nothing half-written. Running data again keeps the shards already
+written, writes the rest, and gives the record set an uninterrupted run gives (greedy rollouts:
+the same tokens); running train again resumes from its last checkpoint and ends at the step an
+uninterrupted run ends at."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from components.data.shards import read_table
-from pipelines import data
+from pipelines import data, train
 from pipelines.cli import INTERRUPTED, main
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
+
+
+TRAIN_STEPS = 12
+TRAIN = [f"train.max_steps={TRAIN_STEPS}", "train.checkpoint_every=2", "train.num_workers=1", "train.cpus_per_worker=0.5",
+         "train.batch_size=2", "train.log_every=2", "train.warmup_steps=1", "drafter.block_size=4",
+         "drafter.num_anchors=16", "drafter.markov_rank=8", "drafter.draft_vocab_size=128"]
 
 
 def _argv(target: Path, run_dir: Path) -> list[str]:
@@ -28,37 +40,60 @@ def _argv(target: Path, run_dir: Path) -> list[str]:
             "data.num_actors=1", "data.cpus_per_actor=0.5", "data.temperature=0"]
 
 
-def _records(data_dir: Path) -> list[tuple[str, tuple[int, ...]]]:
-    rows = [r for p in sorted(data_dir.glob("shard-*.parquet")) for r in read_table(p).to_pylist()]
-    return sorted((r["sample_id"], tuple(r["input_ids"])) for r in rows)
-
-
-def test_ctrl_c_mid_data_then_a_rerun_gives_the_uninterrupted_record_set(tmp_path, tiny_target_build, ray_session):
-    target, interrupted = tiny_target_build[0], tmp_path / "interrupted"
-    err_file = tmp_path / "stderr"
+def _interrupted(module: str, argv: list[str], ready: Callable[[str], bool], tmp_path: Path) -> str:
+    """Runs ``python -m module argv``, sends SIGINT once ``ready(stderr so far)``; its stderr."""
+    err_file = tmp_path / f"{module}.stderr"
     with err_file.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "pipelines.data", *_argv(target, interrupted)], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=err, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=err, env=os.environ | {"PYTHONUNBUFFERED": "1"})
         try:
             deadline = time.monotonic() + 240
-            while len(list((interrupted / "data").glob("shard-*.parquet"))) < 2 and proc.poll() is None:
-                assert time.monotonic() < deadline, "no shard written in time"
+            while not ready(err_file.read_text()) and proc.poll() is None:
+                assert time.monotonic() < deadline, f"{module}: not ready to interrupt in time"
                 time.sleep(0.2)
-            assert proc.poll() is None, "the stage ended before it could be interrupted"
+            assert proc.poll() is None, f"{module} ended before it could be interrupted"
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
                 proc.kill()
     printed = err_file.read_text()
-    assert proc.returncode == INTERRUPTED and "data interrupted after" in printed and "Traceback" not in printed
-    kept = sorted(p.name for p in (interrupted / "data").iterdir() if not p.name.startswith("."))
+    assert proc.returncode == INTERRUPTED and "Traceback" not in printed, printed[-3000:]
+    return printed
+
+
+def _records(data_dir: Path) -> list[tuple[str, tuple[int, ...]]]:
+    rows = [r for p in sorted(data_dir.glob("shard-*.parquet")) for r in read_table(p).to_pylist()]
+    return sorted((r["sample_id"], tuple(r["input_ids"])) for r in rows)
+
+
+def test_ctrl_c_mid_data_and_mid_train_then_reruns_give_what_uninterrupted_runs_give(tmp_path, tiny_target_build,
+                                                                                     ray_session):
+    target, interrupted = tiny_target_build[0], tmp_path / "interrupted"
+    shards = interrupted / "data"
+    printed = _interrupted("pipelines.data", _argv(target, interrupted),
+                           lambda _: len(list(shards.glob("shard-*.parquet"))) >= 2, tmp_path)
+    assert "data interrupted after" in printed
+    kept = sorted(p.name for p in shards.iterdir() if not p.name.startswith("."))
     assert kept and all(n.startswith("shard-") and n.endswith(".parquet") for n in kept), kept  # no half shard
-    assert not (interrupted / "data" / "manifest.json").exists()
+    assert not (shards / "manifest.json").exists()
 
     assert main(data.run, "data", _argv(target, interrupted)) == 0  # again: resumes
-    manifest = json.loads((interrupted / "data" / "manifest.json").read_text())
+    manifest = json.loads((shards / "manifest.json").read_text())
     assert manifest["run"]["shards_reused"] == len(kept) and manifest["run"]["shards_written"] == 6 - len(kept)
     assert main(data.run, "data", _argv(target, tmp_path / "whole")) == 0  # uninterrupted
-    resumed, whole = _records(interrupted / "data"), _records(tmp_path / "whole" / "data")
+    resumed, whole = _records(shards), _records(tmp_path / "whole" / "data")
     assert len(whole) == 12 and resumed == whole
+
+    argv = [*_argv(target, interrupted), f"train.data_dir={shards}", *TRAIN]
+    printed = _interrupted("pipelines.train", argv, lambda text: "train: step 4/" in text, tmp_path)
+    assert "train interrupted after" in printed
+    out = json.loads(_stdout_of(main, train.run, "train", argv))  # again: resumes from its last checkpoint
+    assert out["train_steps"] == TRAIN_STEPS
+
+
+def _stdout_of(fn: Callable[..., int], *args: Any) -> str:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert fn(*args) == 0
+    return buf.getvalue()[buf.getvalue().index("{"):]
