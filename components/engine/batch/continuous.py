@@ -219,9 +219,8 @@ class BatchEngine:
         positions = starts[:, None] + torch.arange(width, device=dev)[None, :]  # [B, G+1]
         cache = self.batch.cache
         t0 = time.perf_counter()
-        # slots: rows that draft less than the widest are not padded (the kernel takes ragged rows)
-        mask = cache.attention_mask(width, [1 + r.num_drafts for r in rows]) if self.pool is not None else \
-            cache.attention_mask(width)
+        # each row's real tokens: a slot cache leaves the padding out of the pass (ragged kernel rows)
+        mask = cache.attention_mask(width, [1 + r.num_drafts for r in rows])
         out = self.target.forward(ids, attention_mask=mask, layer_ids=self.layer_ids,
                                   cache=cache if self.pool is not None else cache.cache, use_cache=True,
                                   position_ids=positions)

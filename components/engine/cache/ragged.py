@@ -61,8 +61,10 @@ class RaggedCache:
     def length(self) -> int:
         return self.valid.shape[1]
 
-    def attention_mask(self, new_tokens: int) -> Tensor:  # [B, L + new_tokens] long
-        """The 2-D mask of a forward that appends ``new_tokens`` slots (all attendable)."""
+    def attention_mask(self, new_tokens: int, real: list[int] | None = None) -> Tensor:  # [B, L + new_tokens] long
+        """The 2-D mask of a forward that appends ``new_tokens`` slots (all attendable; ``real``,
+        each row's tokens before its padding, is not needed here: padding is computed and never
+        committed)."""
         new = torch.ones(self.batch_size, new_tokens, dtype=torch.long, device=self.valid.device)
         return torch.cat([self.valid.long(), new], dim=1)
 
