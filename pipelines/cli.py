@@ -5,7 +5,8 @@ Parses ``conf=<file> key=value ... [-v|--verbose]``, opens the run's log session
 headline figure, ``<run_dir>/logs/<timestamp>-<name>.log`` gets everything; ``-v`` is
 ``log_level=verbose``), turns the known user errors into one clear line on stderr (exit status
 2) and Ctrl-C into the stage's "interrupted" line (exit status 130) instead of a traceback, and
-prints the stage's result as JSON on stdout.
+prints the stage's result as JSON on stdout. A Ctrl-C is remembered (``components.interrupts``):
+one that a library swallowed still stops the run after the stage it landed in.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from components import logs, reuse
+from components import interrupts, logs, reuse
 from components.config import ConfigError, SpeclineConfig
 from components.confload import load_cli
 from components.drafters.errors import DrafterError
@@ -60,11 +61,12 @@ def run_stage(name: str, stage: StageFn, cfg: SpeclineConfig, tracker: Tracker, 
     t0 = time.perf_counter()
     try:
         out = stage(cfg, tracker, upstream)
+        if decision is not None:
+            reuse.complete(decision, upstream, out, run_id, time.perf_counter() - t0)
+        interrupts.check()  # a Ctrl-C that a library swallowed: the output is whole (and recorded); stop here
     except BaseException as err:
         _failed(f"{step}{name}", time.perf_counter() - t0, err)
         raise
-    if decision is not None:
-        reuse.complete(decision, upstream, out, run_id, time.perf_counter() - t0)
     line = headline(name, out)
     log.info("%s%s done in %s%s", step, name, duration(time.perf_counter() - t0), f": {line}" if line else "")
     return out
@@ -110,7 +112,7 @@ def main(stage: StageFn, name: str, argv: Sequence[str] | None = None) -> int:
     argv = split_flags(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_cli(argv)
-        with logs.session(cfg, name) as path:
+        with interrupts.sticky_ctrl_c(), logs.session(cfg, name) as path:
             hint = "" if cfg.log_level == logs.VERBOSE else " (-v: everything on the console)"
             log.info("specline %s: full log in %s%s", name, path, hint)
             tracker = _tracker(cfg)

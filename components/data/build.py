@@ -19,6 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from components import interrupts
 from components.config import SpeclineConfig
 from components.data.actors import ShardWriter, actor_options, shard_rows, start_tally
 from components.data.prompts import Prompt, PromptStats
@@ -88,6 +89,7 @@ def _write_missing(cfg: SpeclineConfig, desc: TargetDescription, meta: RecordMet
             out["generate_s"] += float(row["generate_s"])
             out["capture_s"] += float(row["capture_s"])
             tokens += summary["tokens"]
+            interrupts.check()  # a Ctrl-C lost inside Ray Data's own code stops after this whole shard
             if progress is not None:
                 elapsed = time.perf_counter() - t0
                 progress({"shards_done": len(out["summaries"]), "shards_todo": len(todo),

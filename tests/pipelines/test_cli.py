@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,7 @@ import pytest
 from components.config import ConfigError, SpeclineConfig
 from components.tracking import Tracker
 from pipelines import full
-from pipelines.cli import main, split_flags
+from pipelines.cli import INTERRUPTED, main, split_flags
 from pipelines.headlines import duration, headline
 
 
@@ -56,6 +59,21 @@ def test_a_failing_stage_says_so_and_where_the_log_is(tmp_path, capsys):
     log_file = next((tmp_path / "logs").glob("*-data.log"))
     assert "data failed after " in err and f" s: RuntimeError: the disk is full; full log: {log_file}" in err
     assert "Traceback" not in err and "Traceback" in log_file.read_text()
+
+
+def test_a_ctrl_c_a_library_swallowed_still_ends_the_stage_as_interrupted(tmp_path, capsys):
+    def swallows(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
+        try:  # as a __del__ or a broad except in a library does
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(2)
+        except KeyboardInterrupt:
+            pass
+        return _counting_stage(cfg, tracker, upstream)
+
+    assert main(swallows, "data", _argv(tmp_path)) == INTERRUPTED
+    out, err = capsys.readouterr()
+    assert out == "" and "data interrupted after" in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert main(_counting_stage, "data", _argv(tmp_path)) == 0  # the next run starts with no Ctrl-C seen
 
 
 def test_a_user_error_in_a_stage_is_its_one_error_line(tmp_path, capsys):

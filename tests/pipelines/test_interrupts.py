@@ -1,7 +1,8 @@
-"""Ctrl-C in the middle of the train stage: one "interrupted" line, exit status 130, no
-traceback; running it again resumes from its last checkpoint and ends at the step an
-uninterrupted run ends at. (The data stage's Ctrl-C is not tested here: on a fresh clone its
-generation ran to the end past a SIGINT; see the session notes.)"""
+"""Ctrl-C in the middle of the data stage and of the train stage: one "interrupted" line, exit
+status 130, no traceback, nothing half-written. Running data again keeps the shards already
+written, writes the rest, and gives the record set an uninterrupted run gives (greedy rollouts:
+the same tokens); running train again resumes from its last checkpoint and ends at the step an
+uninterrupted run ends at."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from components.data.shards import read_table
 from pipelines import data, train
 from pipelines.cli import INTERRUPTED, main
 
@@ -60,9 +62,42 @@ def _interrupted(module: str, argv: list[str], ready: Callable[[str], bool], tmp
     return printed
 
 
-def test_ctrl_c_mid_train_then_the_rerun_resumes_to_the_uninterrupted_end(tmp_path, tiny_target_build, ray_session):
+def _after(started: list[float], seconds: float) -> bool:
+    """True once ``seconds`` have passed since its first call (which records the time)."""
+    started[:] = started or [time.monotonic()]
+    return time.monotonic() - started[0] >= seconds
+
+
+def _records(data_dir: Path) -> list[tuple[str, tuple[int, ...]]]:
+    rows = [r for p in sorted(data_dir.glob("shard-*.parquet")) for r in read_table(p).to_pylist()]
+    return sorted((r["sample_id"], tuple(r["input_ids"])) for r in rows)
+
+
+def test_ctrl_c_mid_data_and_mid_train_then_reruns_give_what_uninterrupted_runs_give(tmp_path, tiny_target_build,
+                                                                                     ray_session):
     target, run = tiny_target_build[0], tmp_path / "run"
-    assert main(data.run, "data", _argv(target, run)) == 0
+    shards = run / "data"
+    # mid-generation: the actor may write its shards as they finish or all at the end, so the
+    # signal goes a few seconds into the generation, not after a shard
+    started: list[float] = []
+    printed = _interrupted("pipelines.data", _argv(target, run),
+                           lambda text: "Ray dashboard" in text and _after(started, 3.0), tmp_path)
+    assert "data interrupted after" in printed
+    kept = sorted(p.name for p in shards.iterdir() if not p.name.startswith(".")) if shards.is_dir() else []
+    kept = [n for n in kept if n != "manifest.json"]
+    assert all(n.startswith("shard-") and n.endswith(".parquet") for n in kept), kept  # no half shard
+    # a Ctrl-C that Ray swallowed stops the stage after a whole shard; only a stage that had
+    # written everything, its manifest included, can have ended that way after its last one
+    assert not (shards / "manifest.json").exists() or len(kept) == 8, kept
+
+    assert main(data.run, "data", _argv(target, run)) == 0  # again: resumes
+    manifest = json.loads((shards / "manifest.json").read_text())
+    if len(kept) < 8:
+        assert manifest["run"]["shards_reused"] == len(kept) and manifest["run"]["shards_written"] == 8 - len(kept)
+    assert main(data.run, "data", _argv(target, tmp_path / "whole")) == 0  # uninterrupted
+    resumed, whole = _records(shards), _records(tmp_path / "whole" / "data")
+    assert len(whole) == 16 and resumed == whole
+
     argv = [*_argv(target, run), f"train.data_dir={run / 'data'}", *TRAIN]
     # interrupted after the checkpoint of step 10
     printed = _interrupted("pipelines.train", argv, lambda text: "train: step 12/" in text, tmp_path)
