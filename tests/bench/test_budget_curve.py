@@ -1,0 +1,41 @@
+"""The budget curve's record selection (the training itself is the train stage's, tested there)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("budget_curve", ROOT / "bench" / "budget_curve.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+curve = _bench()
+
+
+def _record(prompt: int, response: int) -> SimpleNamespace:
+    return SimpleNamespace(input_ids=np.arange(prompt + response), prompt_len=prompt)
+
+
+def test_a_budget_is_the_shortest_prefix_holding_its_response_tokens():
+    records = [_record(50, 10), _record(5, 20), _record(7, 30), _record(1, 40)]
+    assert curve.budget_records(records, 10) == records[:1]
+    assert curve.budget_records(records, 11) == records[:2]
+    assert curve.budget_records(records, 60) == records[:3]
+    assert curve.budget_records(records, 100) == records
+
+
+def test_a_budget_past_the_split_is_refused_with_what_it_holds():
+    with pytest.raises(SystemExit, match="101 response tokens asked, the training split holds 100"):
+        curve.budget_records([_record(50, 10), _record(5, 20), _record(7, 30), _record(1, 40)], 101)
