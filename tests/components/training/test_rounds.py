@@ -100,6 +100,12 @@ def test_block_tokens_are_the_targets_tokens_and_validity(tiny_target, records):
     ids = batch.input_ids
     assert tokens[2, 1].tolist() == ids[2, 7:11].tolist()
     assert (tokens[~valid] == 0).all()
+    # each position read once (the blocks at 13 and 14 overlap): the head on every block's own positions
+    shared = SharedParts.of(tiny_target)
+    pos = (anchors.clamp_min(0).unsqueeze(-1) + torch.arange(4)).clamp_max(ids.shape[1] - 1)  # [B, A, γ]
+    with torch.no_grad():
+        want = shared.lm_head(shared.final_norm(batch.last_hidden[torch.arange(3).view(3, 1, 1), pos]))
+    torch.testing.assert_close(logits, want.view(12, 4, -1), rtol=1e-5, atol=1e-5)
 
 
 def test_rounds_extend_and_evaluation_merge_batches(tiny_target, records):
