@@ -39,6 +39,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.train_step import heldout  # the held-out figures train_step.py reports, computed alike
 from components.confload import load_cli
 from components.data.records import Record
 from components.data.shards import load_manifest, read_records
@@ -46,9 +47,9 @@ from components.drafters import build_drafter, with_draft_vocab
 from components.drafters.checkpoint import save_drafter
 from components.target import load_target
 from components.tracking import Tracker
-from components.training.heldout import evaluate_records, heldout_ids
+from components.training.heldout import heldout_ids
 from components.training.padding import collate, supervised_tokens
-from components.training.step import build_train_loss, new_train_state, train_step
+from components.training.step import new_train_state, train_step
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -76,12 +77,6 @@ def budget_records(train_set: list[Record], budget: int) -> list[Record]:
         raise SystemExit(f"--budgets: {budget:,} response tokens asked, the training split holds {total:,}: "
                          "generate more rollouts (data.max_prompts) or ask for less")
     return picked
-
-
-def heldout(drafter: Any, cfg: Any, records: list[Record]) -> dict[str, float]:
-    ev = evaluate_records(drafter, build_train_loss(cfg.train), records, batch_size=8, seed=0)
-    drafter.train()
-    return {"tau_tv": round(ev["tau"], 4), "sim_tau": round(ev["sim_tau"], 4), "alpha1": round(ev["sim_alpha"][0], 4)}
 
 
 def train_budget(cfg: Any, target: Any, records: list[Record], counts: torch.Tensor, epochs: float) -> tuple[Any, dict]:
