@@ -103,6 +103,10 @@ class TargetConfig:
     # fast for a float32 CPU target of a family it knows (Llama, Qwen3) on a CPU with AVX2 and a
     # C compiler, except the tiny test fixture; hf elsewhere (docs/results.md has the measurements).
     step: str = "auto"
+    # What the fast step reads of the weights: auto = the checkpoint's own blocks where it is
+    # block-quantized (the embedded SmolLM2's GGUF: Q4_1, Q8_0), decoded exactly in the kernel,
+    # each weight checked to reproduce the float32 one bit for bit (else float32 for it); float32.
+    step_weights: str = "auto"
     static_len: int = 2048  # slots of the fast step's KV cache: the longest prompt + generation it serves
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
     prompts: PromptBankConfig = field(default_factory=PromptBankConfig)

@@ -113,7 +113,7 @@ class Roller:
 
     def __init__(self, target_cfg: TargetConfig, data_cfg: DataConfig, meta: RecordMeta):
         from components.target import load_target
-        from components.target.fast import KernelGemm, wanted_kernel
+        from components.target.fast import kernel_gemm, wanted_kernel
         from components.target.step import StaticDecoder
         from components.target.tokenizer import stop_token_ids
 
@@ -124,8 +124,8 @@ class Roller:
         self.decoder: StaticDecoder | None = None
         kernel, self.why_not_fast = wanted_kernel(self.target, target_cfg)
         if data_cfg.backend == "transformers" and kernel is not None:
-            self.decoder = StaticDecoder(self.target.model, meta.layer_ids, target_cfg.static_len, KernelGemm(kernel),
-                                         kernel)
+            self.decoder = StaticDecoder(self.target.model, meta.layer_ids, target_cfg.static_len,
+                                         kernel_gemm(self.target, target_cfg, kernel), kernel)
         tok = self.target.tokenizer
         self.stop_ids = [i for i in stop_token_ids(tok) if i is not None and i >= 0] or [tok.eos_token_id]
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.stop_ids[0]

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from components.config import TINY_TARGET, TargetConfig
 from components.engine.cache.slots import SlotCache, SlotPool
+from components.target.blocks import BlockIndex
 from components.target.hf import Target, TargetError, TargetOutput
 from components.target.kernels import (
     KernelUnavailable,
@@ -48,19 +49,32 @@ from components.target.step import (
 )
 
 STEPS = ("auto", "fast", "hf")
+STEP_WEIGHTS = ("auto", "float32")
 MAX_KERNEL_ROWS = 32  # passes with more rows (a prefill) take torch's GEMM: compute-bound, MKL's ground
 
 
 class KernelGemm:
     """The decoder's weight products: ``prepare`` packs each weight once (a copy, kept beside
-    the tensor it came from); a decode step's few rows take the kernel, more rows (a prefill)
-    torch's GEMM on the unpacked weight."""
+    the tensor it came from): the checkpoint's own blocks where ``blocks`` (a
+    ``blocks.BlockIndex``) holds them bit for bit, else float32 panels; a decode step's few rows
+    take the kernel, more rows (a prefill) torch's GEMM on the float32 weight."""
 
-    def __init__(self, kernel: RowsGemm):
-        self.kernel = kernel
+    def __init__(self, kernel: RowsGemm, blocks: BlockIndex | None = None):
+        self.kernel, self.blocks = kernel, blocks
+        self.packed: dict[str, int] = {}  # format → weights packed in it (counted once each)
 
     def prepare(self, w: Tensor) -> PackedWeight:
-        return self.kernel.pack(w)
+        found = self.blocks.find(w) if self.blocks is not None else None
+        packed = self.kernel.pack_blocks(found, w) if found is not None else self.kernel.pack(w)
+        self.packed[packed.format] = self.packed.get(packed.format, 0) + 1
+        return packed
+
+    def summary(self) -> str:
+        """What ``prepare`` packed, e.g. 'weights: 61 as q4_1 blocks, 1 as q8_0 blocks'."""
+        if set(self.packed) <= {"f32"}:
+            return "weights: float32 panels"
+        return "weights: " + ", ".join(f"{n} as {f} blocks" if f != "f32" else f"{n} as float32 panels"
+                                      for f, n in sorted(self.packed.items()))
 
     def __call__(self, x: Tensor, w: PackedWeight | Tensor) -> Tensor:
         if x.numel() // x.shape[-1] <= MAX_KERNEL_ROWS:
@@ -78,16 +92,20 @@ class StepTarget(Target):
     def __init__(self, target: Target, taps: Sequence[int] = (), capacity: int = 2048,
                  gemm: Callable[[Tensor, Any], Tensor] | None = None, kernels: Any = None):
         super().__init__(target.model, target.tokenizer, target.name_or_path)
+        self.block_source = target.block_source
         self.decoder = StaticDecoder(target.model, self.check_layer_ids(taps), capacity, gemm, kernels)
         self.taps = self.decoder.taps
         self.capacity = capacity
+        packed = getattr(gemm, "packed", {})
+        self.weight_formats = tuple(sorted(f for f in packed if f != "f32")) or ("f32",)
 
     def new_cache(self) -> StaticCache:
         return StaticCache(*self.decoder.new_slab(1))
 
     @property
     def forward_kind(self) -> str:
-        return f"fast step, {'kernel' if self.decoder.kernels is not None else 'torch'}, {self.capacity} slots"
+        weights = "" if self.weight_formats == ("f32",) else f", {'/'.join(self.weight_formats)} blocks"
+        return f"fast step, {'kernel' if self.decoder.kernels is not None else 'torch'}{weights}, {self.capacity} slots"
 
     def slot_pool(self, rows: int) -> SlotPool:
         """A slab of ``rows`` sequences of ``capacity`` slots each, for the batch engine."""
@@ -195,6 +213,24 @@ def wanted_kernel(target: Target, cfg: TargetConfig) -> tuple[RowsGemm | None, s
         return None, str(err)
 
 
+def block_index(target: Target, cfg: TargetConfig) -> tuple[BlockIndex | None, str]:
+    """(the checkpoint's blocks, "") where ``target.step_weights`` lets the fast step read them and
+    the target declares a block-quantized checkpoint (``Target.block_source``), else (None, why)."""
+    if cfg.step_weights not in STEP_WEIGHTS:
+        raise TargetError(f"target.step_weights: '{cfg.step_weights}' is not one of {list(STEP_WEIGHTS)}")
+    if cfg.step_weights == "float32":
+        return None, "target.step_weights: float32"
+    if target.block_source is None:
+        return None, f"{target.name_or_path} stores its weights unquantized"
+    return BlockIndex.from_gguf(target.block_source), ""
+
+
+def kernel_gemm(target: Target, cfg: TargetConfig, kernel: RowsGemm) -> KernelGemm:
+    """The fast step's products for ``target``: reading the checkpoint's blocks where
+    ``block_index`` allows (each weight checked to decode to the float32 one bit for bit)."""
+    return KernelGemm(kernel, block_index(target, cfg)[0])
+
+
 def step_target(target: Target, cfg: TargetConfig, taps: Sequence[int] = (),
                 lines: Callable[[str], None] | None = None) -> Target:
     """``target`` behind the fast step (its kernel built under ``target.cache_dir`` once per
@@ -204,9 +240,13 @@ def step_target(target: Target, cfg: TargetConfig, taps: Sequence[int] = (),
         if lines:
             lines(f"target step: transformers ({why})")
         return target
+    gemm = kernel_gemm(target, cfg, kernel)
+    fast = StepTarget(target, taps, cfg.static_len, gemm, kernel)
+    gemm.blocks = None  # every weight is packed: the index is not needed again
     if lines:
-        lines(f"target step: fast (static KV cache of {cfg.static_len} slots, kernel {kernel.path.name})")
-    return StepTarget(target, taps, cfg.static_len, KernelGemm(kernel), kernel)
+        lines(f"target step: fast (static KV cache of {cfg.static_len} slots, kernel {kernel.path.name}; "
+              f"{gemm.summary()})")
+    return fast
 
 
 class StreamingLinear(torch.nn.Linear):

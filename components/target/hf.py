@@ -38,7 +38,7 @@ from components.target.attention import choose_attention
 from components.target.corpus import corpus_cache
 from components.target.hfbars import no_hf_bars
 from components.target.promptbank import PromptBankError, ensure_prompt_bank
-from components.target.smollm2 import ConversionError, ensure_smollm2_target
+from components.target.smollm2 import ConversionError, ensure_smollm2_target, locate_gguf
 from components.target.tiny import ensure_tiny_target
 from components.target.tokenizer import tokenizer_hash
 
@@ -102,6 +102,9 @@ class Target:
     # The batch engine's KV cache for this target: "ragged" (an HF cache, ``engine.cache.ragged``)
     # or "slots" (rows of a static slab, ``engine.cache.slots``: ``fast.StepTarget``).
     batch_cache = "ragged"
+    # The block-quantized file the float32 weights were converted from (the embedded SmolLM2's
+    # GGUF), declared by the loader; the fast step may read its blocks (``fast.block_index``).
+    block_source: Path | None = None
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name_or_path: str):
         self.model = model.eval().requires_grad_(False)
@@ -270,4 +273,7 @@ def load_target(cfg: TargetConfig, progress: bool = True) -> Target:
     except (ValueError, ImportError) as err:
         raise TargetError(f"target.attention: cannot use '{cfg.attention}' for {path}: "
                           f"{str(err).splitlines()[0]} (use auto, sdpa or eager)") from None
-    return Target(model.to(device), tokenizer, path)
+    target = Target(model.to(device), tokenizer, path)
+    if cfg.name_or_path in (EMBEDDED_TARGET, SMOLLM2_TARGET):
+        target.block_source = locate_gguf().path
+    return target

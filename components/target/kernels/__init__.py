@@ -11,7 +11,10 @@
   (docs/results.md, ``bench/gemm_rows.py``); this kernel does neither. Weights packed once
   (``RowsGemm.pack``: panels of 16 rows, [ceil(N/16), K, 16]) take an outer-product kernel
   whose 2..16 rows cost little more than one (the stream, not the arithmetic, sets the pace);
-  weights as they are ([N, K]) take a dot-product kernel whose extra rows cost more.
+  weights as they are ([N, K]) take a dot-product kernel whose extra rows cost more;
+* ``rows_gemm_blocks.c`` -- the same products with the weight in the block-quantized format the
+  checkpoint stores it in (Q4_1, Q8_0: ``components.target.blocks``), decoded exactly in
+  registers: a pass reads 0.75 or 1.125 bytes a weight instead of 4 (``RowsGemm.pack_blocks``).
 
 ``RowsGemm.build(dir)`` compiles the source into ``dir`` once (keyed by a hash of the source and
 flags; written under a temporary name and renamed, so an interrupted build leaves nothing) and
@@ -35,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-SOURCES = (Path(__file__).with_name("rows_gemm.c"), Path(__file__).with_name("layer.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("rows_gemm.c", "rows_gemm_blocks.c", "layer.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 VECTOR_CPUS = ("AVX2", "AVX512")  # torch's names for CPUs with AVX2 and FMA
 
@@ -59,16 +62,19 @@ def why_unavailable() -> str | None:
 
 
 PANEL = 16  # weight rows per packed panel (NR in rows_gemm.c)
+FORMATS = ("f32", "q4_1", "q8_0")  # a packed weight's format; its index is the code layer.c takes
 
 
 @dataclass(frozen=True, eq=False)
 class PackedWeight:
-    """A weight [N, K] packed for ``RowsGemm.linear``: ``panels`` [ceil(N/16), K, 16] (rows
-    past N zero), a copy; ``weight`` is the tensor it was packed from (kept, not copied, for
-    products the kernel does not serve, e.g. a prefill through torch's GEMM)."""
+    """A weight [N, K] packed for ``RowsGemm.linear``: ``panels`` [ceil(N/16), K, 16] float32
+    (rows past N zero), a copy, or for ``format`` q4_1 / q8_0 the checkpoint's blocks in the
+    layout of ``blocks.pack_panels`` (uint8); ``weight`` is the float32 tensor it stands for (kept,
+    not copied, for products the kernel does not serve, e.g. a prefill through torch's GEMM)."""
 
     panels: Tensor
     weight: Tensor
+    format: str = "f32"
 
     @property
     def shape(self) -> torch.Size:
@@ -87,10 +93,13 @@ class RowsGemm:
         self._fn.argtypes = self._packed.argtypes = gemm_args
         self._pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         self._fn.restype = self._packed.restype = self._pack.restype = None
+        self._blocks = {"q4_1": lib.rows_gemm_q41, "q8_0": lib.rows_gemm_q80}
+        for fn in self._blocks.values():
+            fn.argtypes, fn.restype = gemm_args, None
         self._layer = lib.llama_layer
         self._layer.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
                                 + [ctypes.c_float] + [ctypes.c_void_p] * 10
-                                + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+                                + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.POINTER(ctypes.c_int32)])
         self._layer.restype = None
 
     @classmethod
@@ -132,11 +141,12 @@ class RowsGemm:
 
         def ptr(t: Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
+        formats = (ctypes.c_int32 * 4)(*(FORMATS.index(p.format) for p in products))
         self._layer(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads, shape.kv_heads,
                     shape.head_dim, w.down.shape[1], shape.eps, ptr(w.norm1), ptr(w.qkv.panels), ptr(w.q_norm),
                     ptr(w.k_norm), ptr(w.o.panels), ptr(w.norm2), ptr(w.gate_up.panels), ptr(w.down.panels),
                     k.data_ptr(), v.data_ptr(), k.shape[2], cos.data_ptr(), sin.data_ptr(),
-                    threads or torch.get_num_threads())
+                    threads or torch.get_num_threads(), formats)
 
     @staticmethod
     def _check(*tensors: Tensor) -> None:
@@ -151,18 +161,31 @@ class RowsGemm:
         self._pack(w.contiguous().data_ptr(), panels.data_ptr(), n, k, threads or torch.get_num_threads())
         return PackedWeight(panels, w)
 
+    def pack_blocks(self, blocks: Any, weight: Tensor) -> PackedWeight:
+        """The checkpoint's blocks (``blocks.Blocks``) of the float32 ``weight`` [N, K], packed for
+        ``linear`` (the caller has checked they decode to ``weight``: ``BlockIndex.find``)."""
+        from components.target.blocks import pack_panels
+
+        if blocks.shape != weight.shape:
+            raise ValueError(f"rows_gemm: blocks {tuple(blocks.shape)} for a weight {tuple(weight.shape)}")
+        return PackedWeight(pack_panels(blocks), weight, blocks.format)
+
     def linear(self, x: Tensor, w: Tensor | PackedWeight, threads: int | None = None) -> Tensor:
-        """[..., K] × [N, K] (or its ``pack``) → [..., N]."""
+        """[..., K] × [N, K] (or its ``pack`` / ``pack_blocks``) → [..., N]."""
         packed = isinstance(w, PackedWeight)
         weight = w.panels if packed else w.contiguous()
-        self._check(x, weight)
+        if packed and w.format != "f32":
+            self._check(x)
+            fn = self._blocks[w.format]
+        else:
+            self._check(x, weight)
+            fn = self._packed if packed else self._fn
         n, k = w.shape
         if x.shape[-1] != k:
             raise ValueError(f"rows_gemm: x [..., {x.shape[-1]}] against a weight [{n}, {k}]")
         flat = x.reshape(-1, k).contiguous()
         y = torch.empty(flat.shape[0], n, dtype=torch.float32)
-        (self._packed if packed else self._fn)(flat.data_ptr(), weight.data_ptr(), y.data_ptr(), flat.shape[0], k, n,
-                                               threads or torch.get_num_threads())
+        fn(flat.data_ptr(), weight.data_ptr(), y.data_ptr(), flat.shape[0], k, n, threads or torch.get_num_threads())
         return y.view(*x.shape[:-1], n)
 
 

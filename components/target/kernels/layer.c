@@ -12,8 +12,8 @@
  * Every row's keys/values are written before any row attends, so rows of one sequence see each
  * other causally (a row reads slots up to its own position, whatever the call order).
  *
- * The weights come packed (rows_gemm_pack: panels of 16 rows) and their products are
- * rows_gemm_packed (rows_gemm.c); attention runs one (head, token) per
+ * The weights come packed in panels of 16 rows, each product's in its own format (`formats`:
+ * float32 panels, rows_gemm.c; or the checkpoint's Q4_1 / Q8_0 blocks, rows_gemm_blocks.c); attention runs one (head, token) per
  * OpenMP iteration. Same arithmetic as the torch path in float32, summed in another order.
  */
 #include <immintrin.h>
@@ -23,6 +23,15 @@
 #include <string.h>
 
 void rows_gemm_packed(const float *x, const float *panels, float *y, int64_t M, int64_t K, int64_t N, int threads);
+void rows_gemm_q41(const float *x, const void *panels, float *y, int64_t M, int64_t K, int64_t N, int threads);
+void rows_gemm_q80(const float *x, const void *panels, float *y, int64_t M, int64_t K, int64_t N, int threads);
+
+/* a product through the kernel of the weight's format: 0 float32 panels, 1 Q4_1, 2 Q8_0 */
+static void gemm(int format, const float *x, const void *w, float *y, int64_t M, int64_t K, int64_t N, int threads) {
+    if (format == 1) rows_gemm_q41(x, w, y, M, K, N, threads);
+    else if (format == 2) rows_gemm_q80(x, w, y, M, K, N, threads);
+    else rows_gemm_packed(x, w, y, M, K, N, threads);
+}
 
 /* a · b over n floats: AVX2, two accumulators (a scalar loop would not vectorize: a float
  * reduction may not be reordered without -ffast-math) */
@@ -63,10 +72,10 @@ static void rope(float *v, const float *c, const float *s, int64_t d) {
 }
 
 void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, int64_t H, int64_t hq, int64_t hkv, int64_t d,
-                 int64_t inter, float eps, const float *norm1, const float *wqkv, const float *q_norm,
-                 const float *k_norm, const float *wo, const float *norm2, const float *wgu,
-                 const float *wdown, float *kc, float *vc, int64_t S, const float *cos, const float *sin,
-                 int threads) {
+                 int64_t inter, float eps, const float *norm1, const void *wqkv, const float *q_norm,
+                 const float *k_norm, const void *wo, const float *norm2, const void *wgu,
+                 const void *wdown, float *kc, float *vc, int64_t S, const float *cos, const float *sin,
+                 int threads, const int32_t *formats /* [4]: qkv, o, gate|up, down */) {
     int64_t width = (hq + 2 * hkv) * d, group = hq / hkv, span = 0;
     for (int64_t t = 0; t < T; t++) span = pos[t] + 1 > span ? pos[t] + 1 : span;
     float scale = 1.f / sqrtf((float)d);
@@ -78,7 +87,7 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
     float *scores = malloc(sizeof(float) * hq * T * span);
 
     rms_rows(x, norm1, h, T, H, eps);
-    rows_gemm_packed(h, wqkv, qkv, T, H, width, threads);
+    gemm(formats[0], h, wqkv, qkv, T, H, width, threads);
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * width;
         const float *c = cos + pos[t] * d, *s = sin + pos[t] * d;
@@ -113,16 +122,16 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
             for (int64_t i = 0; i < d; i++) out[i] += p * vr[i];
         }
     }
-    rows_gemm_packed(att, wo, tmp, T, hq * d, H, threads);
+    gemm(formats[1], att, wo, tmp, T, hq * d, H, threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
     rms_rows(x, norm2, h, T, H, eps);
-    rows_gemm_packed(h, wgu, tmp, T, H, 2 * inter, threads);
+    gemm(formats[2], h, wgu, tmp, T, H, 2 * inter, threads);
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < inter; i++) {
             float g = tmp[t * 2 * inter + i], u = tmp[t * 2 * inter + inter + i];
             act[t * inter + i] = g / (1.f + expf(-g)) * u;
         }
-    rows_gemm_packed(act, wdown, tmp, T, inter, H, threads);
+    gemm(formats[3], act, wdown, tmp, T, inter, H, threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
     free(h), free(qkv), free(att), free(tmp), free(act), free(scores);
 }

@@ -1,0 +1,172 @@
+"""The target's weights in the block-quantized format its checkpoint stores them in.
+
+SmolLM2-135M-Instruct comes as a GGUF file of Q4_1 blocks (its 210 decoder products) and Q8_0
+blocks (the tied embedding / head); the float32 target specline converts it to holds, in every
+weight, exactly d * q + m of a block of 32 (docs/results.md). A decode step must read every
+weight; read as blocks it reads 0.75 (Q4_1) or 1.125 (Q8_0) bytes a weight instead of 4, and
+decoding them in the kernel (``kernels/rows_gemm_blocks.c``) gives back the float32 weight
+exactly. So the fast step may read the blocks, and nothing about the target changes.
+
+    index = BlockIndex.from_gguf(path)          # every Q4_1 / Q8_0 tensor of the file
+    blocks = index.find(w)                      # w [N, K] float32 → Blocks, or None
+    panels = pack_panels(blocks)                # uint8, the kernel's layout
+
+``find`` matches a float32 weight row by row (a fingerprint of some of each row's bits, so a weight that
+is a permutation or a concatenation of the file's rows is found too: transformers permutes q/k
+rows for RoPE, the fast step stacks q/k/v and gate/up) and returns blocks only where decoding
+them reproduces ``w`` bit for bit; anything else is None, and the caller keeps float32. Knows
+GGUF's Q4_1 and Q8_0 block layouts; nothing of models or kernels beyond the panel layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+BLOCK = 32  # weights per block along K (both formats)
+PANEL = 16  # weight rows per packed panel (NR in the kernels)
+RECORD_BYTES = {"q4_1": 384, "q8_0": 576}  # one panel's 32-k record (rows_gemm_blocks.c)
+GGUF_BYTES = {"Q4_1": 20, "Q8_0": 34}  # one block of 32 in the file
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Rows of a block-quantized weight [N, K]: w[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32].
+    ``q``: uint8 0..15 (q4_1) or int8 (q8_0), [N, K]; ``d``, ``m``: float32 [N, K // 32] (the
+    file's float16 values; ``m`` None for q8_0)."""
+
+    format: str
+    q: Tensor
+    d: Tensor
+    m: Tensor | None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def rows(self, index: Tensor) -> Blocks:
+        return Blocks(self.format, self.q[index], self.d[index], None if self.m is None else self.m[index])
+
+    def dequantize(self) -> Tensor:  # [N, K] float32, as the conversion to float32 computed it
+        n, k = self.shape
+        w = self.q.view(n, k // BLOCK, BLOCK).to(torch.float32) * self.d[..., None]  # exact: 11 × 4 or 8 bits
+        return (w if self.m is None else w + self.m[..., None]).view(n, k)
+
+    def columns(self, cols: Tensor) -> Tensor:  # [N, len(cols)] float32: dequantize()[:, cols]
+        w = self.q[:, cols].to(torch.float32) * self.d[:, cols // BLOCK]
+        return w if self.m is None else w + self.m[:, cols // BLOCK]
+
+
+def read_gguf(path: Path) -> Iterable[Blocks]:
+    """Every Q4_1 / Q8_0 tensor of a GGUF file, as ``Blocks`` [rows, K] (other types skipped)."""
+    import gguf  # transformers' own GGUF dependency; imported here, where a GGUF is read
+
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        kind = tensor.tensor_type.name
+        if kind not in GGUF_BYTES:
+            continue
+        raw = torch.from_numpy(np.array(tensor.data))  # a copy: the file stays read-only  # [rows, K/32 * bytes] uint8
+        b = raw.view(raw.shape[0], -1, GGUF_BYTES[kind])  # [rows, G, bytes]
+        d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()  # [rows, G]
+        if kind == "Q4_1":
+            m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+            packed = b[..., 4:]  # [rows, G, 16]: byte i = q[i] | q[i + 16] << 4
+            q = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(raw.shape[0], -1)
+            yield Blocks("q4_1", q.contiguous(), d, m)
+        else:
+            q = b[..., 2:].contiguous().view(torch.int8).reshape(raw.shape[0], -1)
+            yield Blocks("q8_0", q, d, None)
+
+
+SAMPLED = 24  # columns a row's fingerprint reads
+
+
+def sampled_columns(k: int) -> Tensor:
+    """The columns fingerprints read for rows of K columns: spread over the row, fixed per K."""
+    return torch.randperm(k, generator=torch.Generator().manual_seed(k))[:SAMPLED].sort().values
+
+
+def fingerprints(values: Tensor) -> list[int]:
+    """A hash of each row's float32 bits at ``sampled_columns`` (``values`` [N, SAMPLED]:
+    those columns; integer arithmetic, so the same bits give the same hash whatever the row's
+    neighbours), for finding rows again, never for proving them equal."""
+    weights = torch.randint(1, 1 << 16, (values.shape[1],), generator=torch.Generator().manual_seed(1),
+                            dtype=torch.int64)
+    bits = values.contiguous().view(torch.int32).to(torch.int64)  # |sum| < 2^31 · 2^16 · 24: no overflow
+    return (bits * weights).sum(dim=1).tolist()
+
+
+class BlockIndex:
+    """Rows of block-quantized tensors, found again from their float32 values (``find``)."""
+
+    def __init__(self, tensors: Iterable[Blocks]):
+        groups: dict[tuple[str, int], list[Blocks]] = {}
+        for blocks in tensors:
+            groups.setdefault((blocks.format, blocks.shape[1]), []).append(blocks)
+        self.groups: dict[tuple[str, int], Blocks] = {}
+        # K → {fingerprint: [(format, row in its group), ...]} (rows alike in the sampled columns,
+        # e.g. mostly-zero embedding rows, share a fingerprint: ``find`` compares them whole)
+        self.rows: dict[int, dict[int, list[tuple[str, int]]]] = {}
+        for (fmt, k), parts in groups.items():
+            whole = Blocks(fmt, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+                           None if parts[0].m is None else torch.cat([p.m for p in parts]))
+            self.groups[(fmt, k)] = whole
+            table = self.rows.setdefault(k, {})
+            for i, fp in enumerate(fingerprints(whole.columns(sampled_columns(k)))):
+                table.setdefault(fp, []).append((fmt, i))
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> BlockIndex:
+        return cls(read_gguf(path))
+
+    def find(self, w: Tensor) -> Blocks | None:
+        """The blocks of the float32 weight ``w`` [N, K], if every row is one of the index's rows
+        (all of one format) and decoding them gives ``w`` bit for bit; else None."""
+        if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK:
+            return None
+        k = w.shape[1]
+        table = self.rows.get(k, {})
+        found = [table.get(fp) for fp in fingerprints(w[:, sampled_columns(k)])]
+        if not found or any(f is None for f in found):
+            return None
+        picked = [f[0] if len(f) == 1 else self._whole_match(w[n], f) for n, f in enumerate(found)]
+        if any(p is None for p in picked) or len({p[0] for p in picked}) != 1:
+            return None
+        blocks = self.groups[(picked[0][0], k)].rows(torch.tensor([p[1] for p in picked]))
+        return blocks if torch.equal(blocks.dequantize(), w) else None
+
+    def _whole_match(self, row: Tensor, candidates: list[tuple[str, int]]) -> tuple[str, int] | None:
+        """The candidate whose whole row decodes to ``row`` [K] (fingerprints alike)."""
+        for fmt, i in candidates:
+            if torch.equal(self.groups[(fmt, row.shape[0])].rows(torch.tensor([i])).dequantize()[0], row):
+                return fmt, i
+        return None
+
+
+def pack_panels(blocks: Blocks) -> Tensor:
+    """``blocks`` [N, K] in the kernel's layout (rows_gemm_blocks.c): panels of 16 rows (rows past
+    N zero), each a record per 32 k: float32 d[16] (then m[16] for q4_1), then the 32 k's q:
+    q4_1 8 bytes a k (byte j = q[row j] | q[row j + 8] << 4), q8_0 16 bytes a k. → uint8
+    [ceil(N/16), K/32, record bytes]."""
+    n, k = blocks.shape
+    panels, groups, pad = -(-n // PANEL), k // BLOCK, -n % PANEL
+
+    def per_record(t: Tensor) -> Tensor:  # [N, G] → [P, G, 16]
+        return torch.nn.functional.pad(t, (0, 0, 0, pad)).view(panels, PANEL, groups).permute(0, 2, 1).contiguous()
+
+    q = torch.nn.functional.pad(blocks.q, (0, 0, 0, pad)).view(panels, PANEL, groups, BLOCK).permute(0, 2, 3, 1)
+    parts = [per_record(blocks.d).view(torch.uint8)]  # [P, G, 64]
+    if blocks.format == "q4_1":
+        parts.append(per_record(blocks.m).view(torch.uint8))
+        nibbles = (q[..., :PANEL // 2] | (q[..., PANEL // 2:] << 4)).contiguous()  # [P, G, 32, 8]
+        parts.append(nibbles.view(panels, groups, BLOCK * PANEL // 2))
+    else:
+        parts.append(q.contiguous().view(torch.uint8).view(panels, groups, BLOCK * PANEL))
+    out = torch.cat(parts, dim=-1).contiguous()
+    assert out.shape[-1] == RECORD_BYTES[blocks.format]
+    return out

@@ -1,0 +1,192 @@
+"""The checkpoint's own blocks in the fast step (``components.target.blocks``, the kernel's
+``rows_gemm_blocks.c``): read from a GGUF file as gguf's own reference decodes them, found again
+from float32 weights (permuted, stacked) only where they decode bit for bit, their products
+equal to the float32 kernel's, and greedy decoding through a step that reads them token for
+token the target's own (float32), plain and speculative."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from components.engine import SpeculativeEngine, SuffixDrafter, target_only_generate
+from components.target.blocks import BlockIndex, Blocks, pack_panels, read_gguf
+from components.target.fast import StepTarget, step_target
+from components.target.hf import TargetError
+from components.target.kernels import RowsGemm, why_unavailable
+from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
+
+gguf = pytest.importorskip("gguf")
+needs_kernel = pytest.mark.skipif(why_unavailable() is not None, reason=f"kernel: {why_unavailable()}")
+KINDS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str | None]]) -> Path:
+    """A GGUF file of ``name: (float32 array, format or None)``; quantized by gguf's own code."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (w, fmt) in tensors.items():
+        if fmt is None:
+            writer.add_tensor(name, w.astype(np.float32))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), KINDS[fmt]), raw_dtype=KINDS[fmt])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def as_stored(w: np.ndarray, fmt: str) -> torch.Tensor:
+    """The float32 weight a checkpoint of ``fmt`` blocks holds for ``w`` (gguf's reference)."""
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.astype(np.float32), KINDS[fmt]), KINDS[fmt]))
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"a": rng.standard_normal((40, 64)), "b": rng.standard_normal((24, 64)), "c": rng.standard_normal((8, 96)),
+            "e": np.where(rng.random((50, 64)) < 0.9, 0.0, rng.standard_normal((50, 64)))}  # rows alike but for a few
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory, weights) -> BlockIndex:
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / "w.gguf", {
+        "a": (weights["a"], "q4_1"), "b": (weights["b"], "q4_1"), "c": (weights["c"], "q4_1"),
+        "e": (weights["e"], "q8_0"), "f": (weights["a"][:4], None)})
+    return BlockIndex.from_gguf(path)
+
+
+def test_read_gguf_decodes_as_ggufs_reference(tmp_path, weights):
+    path = write_gguf(tmp_path / "w.gguf", {"a": (weights["a"], "q4_1"), "e": (weights["e"], "q8_0"),
+                                            "f": (weights["a"], None)})
+    read = list(read_gguf(path))
+    assert [b.format for b in read] == ["q4_1", "q8_0"]  # the float32 tensor is not blocks
+    assert torch.equal(read[0].dequantize(), as_stored(weights["a"], "q4_1"))
+    assert torch.equal(read[1].dequantize(), as_stored(weights["e"], "q8_0"))
+    cols = torch.tensor([0, 5, 33, 63])
+    assert torch.equal(read[0].columns(cols), read[0].dequantize()[:, cols])
+
+
+def test_find_permuted_and_stacked_rows_bit_for_bit(index, weights):
+    a, b = as_stored(weights["a"], "q4_1"), as_stored(weights["b"], "q4_1")
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+    for w in (a, a[perm], torch.cat([b, a[:7]]), as_stored(weights["c"], "q4_1")):
+        found = index.find(w)
+        assert found is not None and found.format == "q4_1" and torch.equal(found.dequantize(), w)
+    e = as_stored(weights["e"], "q8_0")  # mostly-zero rows: fingerprints alike, told apart whole
+    found = index.find(e.flip(0))
+    assert found is not None and found.format == "q8_0" and torch.equal(found.dequantize(), e.flip(0))
+
+
+def test_find_refuses_what_it_cannot_reproduce(index, weights):
+    a = as_stored(weights["a"], "q4_1")
+    flipped = a.clone()
+    flipped.view(torch.int32)[3, 17] ^= 1  # one bit of one weight
+    assert index.find(flipped) is None
+    assert index.find(torch.from_numpy(weights["a"]).float()) is None  # the unquantized values
+    assert index.find(torch.cat([a[:2], as_stored(weights["e"], "q8_0")[:2]])) is None  # two formats in one weight
+    assert index.find(a.double()) is None and index.find(a[:, :48]) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("k", [64, 96])
+def test_block_products_equal_the_float32_kernels(tmp_path_factory, fmt, k):
+    """With the decoded weights: bit for bit where the tiles sum in the float32 kernel's order (1
+    and 4..6 rows), else within float32 rounding; 45 and 77 weight rows (not multiples of 16)."""
+    kernel = RowsGemm.build(tmp_path_factory.mktemp("kernels"))
+    gen = torch.Generator().manual_seed(k)
+    for n in (45, 77):
+        w = as_stored(torch.randn(n, k, generator=gen).numpy(), fmt)
+        blocks = BlockIndex([_blocks_of(w, fmt)]).find(w)
+        assert blocks is not None
+        packed, plain = kernel.pack_blocks(blocks, w), kernel.pack(w)
+        assert packed.format == fmt and packed.panels.dtype == torch.uint8
+        assert packed.panels.shape == ((n + 15) // 16, k // 32, 384 if fmt == "q4_1" else 576)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17):
+            x = torch.randn(rows, k, generator=gen)
+            for threads in (1, 2):
+                got, want = kernel.linear(x, packed, threads), kernel.linear(x, plain, threads)
+                if rows in (1, 4, 5, 6):
+                    assert torch.equal(got, want), (rows, threads)
+                torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def _blocks_of(w: torch.Tensor, fmt: str) -> Blocks:
+    """Blocks that decode to ``w`` (already a stored weight), recovered through a GGUF round trip."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_gguf(Path(tmp) / "one.gguf", {"w": (w.numpy(), fmt)})
+        (blocks,) = read_gguf(path)
+    return blocks
+
+
+def test_pack_panels_layout():
+    """Record of panel 0, block 0: d[16] (then m[16]), then per k the 16 rows' q."""
+    q = torch.arange(20 * 32, dtype=torch.int64).remainder(16).view(20, 32).to(torch.uint8)
+    d, m = torch.arange(20, dtype=torch.float32)[:, None], -torch.ones(20, 1)
+    out = pack_panels(Blocks("q4_1", q, d, m))
+    assert out.shape == (2, 1, 384)
+    assert out[0, 0, :64].view(torch.float32).tolist() == list(range(16))
+    assert out[0, 0, 64:128].view(torch.float32).tolist() == [-1.0] * 16
+    nib = out[0, 0, 128:136]  # k = 0: byte j = q[j, 0] | q[j + 8, 0] << 4
+    assert nib.tolist() == [int(q[j, 0]) | int(q[j + 8, 0]) << 4 for j in range(8)]
+    assert out[1, 0, 16:64].view(torch.float32).tolist() == [0.0] * 12  # rows past N: zero
+
+
+@pytest.fixture(scope="module")
+def stored_target(tiny_target_cfg, tmp_path_factory):
+    """The fixture target with every decoder product stored as Q4_1 and the head as Q8_0: its
+    float32 weights replaced by what such a checkpoint holds, the GGUF declared as its source."""
+    from components.target import load_target
+
+    target = load_target(tiny_target_cfg, progress=False)
+    tensors = {}
+    for name, param in target.model.named_parameters():
+        if param.dim() == 2:
+            fmt = "q8_0" if param.shape[0] == target.vocab_size else "q4_1"
+            param.data.copy_(as_stored(param.detach().numpy(), fmt))
+            tensors[name] = (param.detach().numpy(), fmt)
+    target.block_source = write_gguf(tmp_path_factory.mktemp("stored") / "target.gguf", tensors)
+    return target
+
+
+@needs_kernel
+def test_a_step_reading_blocks_decodes_as_the_target(tiny_target_cfg, stored_target, tmp_path):
+    cfg = dataclasses.replace(tiny_target_cfg, step="fast", static_len=256, cache_dir=str(tmp_path))
+    lines: list[str] = []
+    taps = tuple(range(stored_target.num_layers))
+    fast = step_target(stored_target, cfg, taps=taps, lines=lines.append)
+    assert isinstance(fast, StepTarget) and fast.weight_formats == ("q4_1", "q8_0")
+    assert "q4_1 blocks" in lines[0] and "q4_1/q8_0 blocks" in fast.forward_kind
+    plain = step_target(stored_target, dataclasses.replace(cfg, step_weights="float32"), taps=taps)
+    assert plain.weight_formats == ("f32",) and "blocks" not in plain.forward_kind
+    ids = torch.tensor([prompts(stored_target)[0] * 3], dtype=torch.long)[:, :30]
+    out, ref = fast.forward(ids[:, :24], use_cache=True), plain.forward(ids[:, :24], use_cache=True)
+    for count in (1, 3, 6):  # verify passes: the same logits as the float32 step's
+        got = fast.forward(ids[:, 24:24 + count], cache=out.cache, use_cache=True).logits
+        want = plain.forward(ids[:, 24:24 + count], cache=ref.cache, use_cache=True).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        out.cache.crop(24), ref.cache.crop(24)
+    drafters = [random_drafter(stored_target, "dspark"), SuffixDrafter(stored_target.vocab_size, 8)]
+    for prompt in prompts(stored_target):
+        want = target_only_generate(stored_target, prompt, MAX_NEW).tokens  # the transformers forward
+        assert target_only_generate(fast, prompt, MAX_NEW).tokens == want
+        for drafter in drafters:
+            engine = SpeculativeEngine(fast, drafter, rule="greedy", num_speculative_tokens=4)
+            assert engine.generate(prompt, MAX_NEW).tokens == want
+
+
+def test_step_weights_setting(tiny_target_cfg, tiny_target, stored_target, tmp_path):
+    from components.target.fast import block_index
+
+    index, why = block_index(tiny_target, tiny_target_cfg)
+    assert index is None and why.endswith("stores its weights unquantized")
+    assert block_index(stored_target, dataclasses.replace(tiny_target_cfg, step_weights="float32"))[0] is None
+    with pytest.raises(TargetError, match="target.step_weights: 'int4'"):
+        block_index(stored_target, dataclasses.replace(tiny_target_cfg, step_weights="int4"))
