@@ -1,15 +1,17 @@
 """The target's step against the memory floor: T(k), one pass of k new tokens over a
 ``--context``-token KV cache, for the transformers forward (``target.step: hf``) and the fast
-step (``fast``: static slab + our weight-streaming kernel), beside the floor measured in the
-same run: the seconds a pass needs to read every weight once, taken from a sum over a tensor of
-the weights' size (the bandwidth one pass can use at that thread count).
+step (``fast``: static slab + our weight-streaming kernel) reading float32 panels
+(``target.step_weights: float32``) and reading the checkpoint's own Q4_1 / Q8_0 blocks
+(``auto``), beside the floor measured in the same run: the seconds a pass needs to read every
+weight once, taken from a sum over a tensor of the bytes each reads (the bandwidth one pass can
+use at that thread count).
 
     python bench/target_step.py [--threads 1,2 --context 256 --new-tokens 1,2,4,8,16 --reps 15
                                  --cache-dir DIR]
 
-Prints a markdown table: per thread count and k, the medians of hf and fast (interleaved, so
-load from other processes falls on both alike), fast over the floor, T(k)/T(1) of each and
-fast's speedup over hf. Also the arithmetic beside it: GFLOP per pass. SmolLM2-135M-Instruct in
+Prints a markdown table: per thread count and k, the medians of hf, fast and fast on blocks
+(interleaved, so load from other processes falls on all alike), each fast step over its floor,
+T(k)/T(1) of each and the speedups. Also the arithmetic beside it: GFLOP per pass. SmolLM2-135M-Instruct in
 float32 (converted once into ``--cache-dir``). Nothing is asserted; the numbers describe this
 machine.
 """
@@ -17,6 +19,7 @@ machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -56,46 +59,58 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = TargetConfig(name_or_path=SMOLLM2_TARGET, dtype="float32", device="cpu", cache_dir=args.cache_dir, step="fast")
     hf = load_target(cfg)
-    fast = step_target(hf, cfg)
-    assert isinstance(fast, StepTarget)
+    steps = {"fast": step_target(hf, dataclasses.replace(cfg, step_weights="float32")), "blocks": step_target(hf, cfg)}
+    assert all(isinstance(t, StepTarget) for t in steps.values()) and steps["blocks"].weight_formats != ("f32",)
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.model.parameters())
+    read_bytes = {name: _bytes_read(t) for name, t in steps.items()}  # what one decode pass streams
     params = sum(p.numel() for p in hf.model.parameters())
     ks = [int(k) for k in args.new_tokens.split(",")]
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, hf.vocab_size, (1, args.context + max(ks)), generator=gen)
-    hf_cache = hf.forward(ids[:, :args.context], use_cache=True).cache
-    fast_cache = fast.forward(ids[:, :args.context], use_cache=True).cache
-    block = torch.randn(weight_bytes // 4, generator=gen)  # as many bytes as the weights
+    caches = {"hf": hf.forward(ids[:, :args.context], use_cache=True).cache}
+    caches.update({name: t.forward(ids[:, :args.context], use_cache=True).cache for name, t in steps.items()})
+    targets = {"hf": hf, **steps}
+    blocks = {name: torch.randn(n // 4, generator=gen) for name, n in read_bytes.items()}  # as many bytes as each reads
 
-    def hf_pass(k: int) -> None:
-        crop_cache(hf_cache, args.context)
-        hf.forward(ids[:, args.context:args.context + k], cache=hf_cache, use_cache=True)
+    def run_pass(name: str, k: int) -> None:
+        crop_cache(caches[name], args.context)
+        targets[name].forward(ids[:, args.context:args.context + k], cache=caches[name], use_cache=True)
 
-    def fast_pass(k: int) -> None:
-        crop_cache(fast_cache, args.context)
-        fast.forward(ids[:, args.context:args.context + k], cache=fast_cache, use_cache=True)
-
-    print(f"SmolLM2-135M float32: {weight_bytes / 1e6:.0f} MB of weights, context {args.context}, "
-          f"{args.reps} reps, medians; torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}\n")
-    print("| threads | floor ms (GB/s) | k | GFLOP | hf ms | fast ms | fast / floor | hf T(k)/T(1) | fast T(k)/T(1) | fast speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"SmolLM2-135M: {weight_bytes / 1e6:.0f} MB of float32 weights; a pass reads {read_bytes['fast'] / 1e6:.0f} MB "
+          f"as float32 panels, {read_bytes['blocks'] / 1e6:.0f} MB as the checkpoint's blocks "
+          f"({', '.join(steps['blocks'].weight_formats)}); context {args.context}, {args.reps} reps, medians; "
+          f"torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}\n")
+    print("| threads | floor ms f32 / blocks (GB/s) | k | GFLOP | hf ms | fast ms | blocks ms | fast / floor | "
+          "blocks / its floor | hf T(k)/T(1) | fast T(k)/T(1) | blocks T(k)/T(1) | blocks over fast | blocks over hf |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for k in ks:  # warm-up
-            hf_pass(k), fast_pass(k)
-        floor = median_ms(lambda: block.sum(), args.reps)
-        rows: dict[int, tuple[float, float]] = {}
+            for name in targets:
+                run_pass(name, k)
+        floor = {name: median_ms(lambda b=b: b.sum(), args.reps) for name, b in blocks.items()}
+        rows: dict[int, dict[str, float]] = {}
         for k in ks:
-            times: dict[str, list[float]] = {"hf": [], "fast": []}
+            times: dict[str, list[float]] = {name: [] for name in targets}
             for _ in range(args.reps):  # interleaved
-                times["hf"].append(median_ms(lambda k=k: hf_pass(k), 1))
-                times["fast"].append(median_ms(lambda k=k: fast_pass(k), 1))
-            rows[k] = (statistics.median(times["hf"]), statistics.median(times["fast"]))
+                for name in targets:
+                    times[name].append(median_ms(lambda k=k, name=name: run_pass(name, k), 1))
+            rows[k] = {name: statistics.median(t) for name, t in times.items()}
+        first = rows[ks[0]]
         for k in ks:
-            h, f = rows[k]
-            print(f"| {threads} | {floor:.1f} ({weight_bytes / floor / 1e6:.1f}) | {k} | {2 * params * k / 1e9:.2f} | "
-                  f"{h:.1f} | {f:.1f} | {f / floor:.2f} | {h / rows[ks[0]][0]:.2f} | {f / rows[ks[0]][1]:.2f} | "
-                  f"{h / f:.2f}x |", flush=True)
+            r = rows[k]
+            print(f"| {threads} | {floor['fast']:.1f} / {floor['blocks']:.1f} ({read_bytes['fast'] / floor['fast'] / 1e6:.1f}) "
+                  f"| {k} | {2 * params * k / 1e9:.2f} | {r['hf']:.1f} | {r['fast']:.1f} | {r['blocks']:.1f} | "
+                  f"{r['fast'] / floor['fast']:.2f} | {r['blocks'] / floor['blocks']:.2f} | {r['hf'] / first['hf']:.2f} | "
+                  f"{r['fast'] / first['fast']:.2f} | {r['blocks'] / first['blocks']:.2f} | {r['fast'] / r['blocks']:.2f}x | "
+                  f"{r['hf'] / r['blocks']:.2f}x |", flush=True)
+
+
+def _bytes_read(target: StepTarget) -> int:
+    """Bytes of the packed weights a decode pass streams (every product once, the head included)."""
+    d = target.decoder
+    packed = [d.head_weight] + [p for layer in d.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return sum(p.panels.numel() * p.panels.element_size() for p in packed)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ def why_unavailable() -> str | None:
 
 PANEL = 16  # weight rows per packed panel (NR in rows_gemm.c)
 FORMATS = ("f32", "q4_1", "q8_0")  # a packed weight's format; its index is the code layer.c takes
+BLOCK_ROWS = 8  # passes of up to this many rows read blocks, longer ones float32 panels (bench/target_step.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,11 +71,19 @@ class PackedWeight:
     """A weight [N, K] packed for ``RowsGemm.linear``: ``panels`` [ceil(N/16), K, 16] float32
     (rows past N zero), a copy, or for ``format`` q4_1 / q8_0 the checkpoint's blocks in the
     layout of ``blocks.pack_panels`` (uint8); ``weight`` is the float32 tensor it stands for (kept,
-    not copied, for products the kernel does not serve, e.g. a prefill through torch's GEMM)."""
+    not copied, for products the kernel does not serve, e.g. a prefill through torch's GEMM).
+    ``dense``: for blocks, the same weight as float32 panels, which passes of more than
+    ``BLOCK_ROWS`` rows read instead (there the arithmetic, not the stream, sets the pace, and
+    decoding adds to it: docs/results.md)."""
 
     panels: Tensor
     weight: Tensor
     format: str = "f32"
+    dense: PackedWeight | None = None
+
+    def for_rows(self, rows: int) -> PackedWeight:
+        """What a pass of ``rows`` rows reads: the blocks up to ``BLOCK_ROWS``, else ``dense``."""
+        return self.dense if self.dense is not None and rows > BLOCK_ROWS else self
 
     @property
     def shape(self) -> torch.Size:
@@ -136,6 +145,7 @@ class RowsGemm:
         products = (w.qkv, w.o, w.gate_up, w.down)
         if not all(isinstance(p, PackedWeight) for p in products):
             raise KernelUnavailable("RowsGemm.layer takes packed weights (RowsGemm.pack)")
+        products = tuple(p.for_rows(x.shape[0]) for p in products)
         if not (k.is_contiguous() and v.is_contiguous() and seq.dtype == pos.dtype == torch.int64):
             raise KernelUnavailable("RowsGemm.layer takes a contiguous slab and int64 seq/pos")
 
@@ -143,8 +153,8 @@ class RowsGemm:
             return None if t is None else t.data_ptr()
         formats = (ctypes.c_int32 * 4)(*(FORMATS.index(p.format) for p in products))
         self._layer(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads, shape.kv_heads,
-                    shape.head_dim, w.down.shape[1], shape.eps, ptr(w.norm1), ptr(w.qkv.panels), ptr(w.q_norm),
-                    ptr(w.k_norm), ptr(w.o.panels), ptr(w.norm2), ptr(w.gate_up.panels), ptr(w.down.panels),
+                    shape.head_dim, w.down.shape[1], shape.eps, ptr(w.norm1), ptr(products[0].panels), ptr(w.q_norm),
+                    ptr(w.k_norm), ptr(products[1].panels), ptr(w.norm2), ptr(products[2].panels), ptr(products[3].panels),
                     k.data_ptr(), v.data_ptr(), k.shape[2], cos.data_ptr(), sin.data_ptr(),
                     threads or torch.get_num_threads(), formats)
 
@@ -161,18 +171,21 @@ class RowsGemm:
         self._pack(w.contiguous().data_ptr(), panels.data_ptr(), n, k, threads or torch.get_num_threads())
         return PackedWeight(panels, w)
 
-    def pack_blocks(self, blocks: Any, weight: Tensor) -> PackedWeight:
+    def pack_blocks(self, blocks: Any, weight: Tensor, threads: int | None = None) -> PackedWeight:
         """The checkpoint's blocks (``blocks.Blocks``) of the float32 ``weight`` [N, K], packed for
-        ``linear`` (the caller has checked they decode to ``weight``: ``BlockIndex.find``)."""
+        ``linear`` (the caller has checked they decode to ``weight``: ``BlockIndex.find``), with
+        its float32 panels as ``dense``."""
         from components.target.blocks import pack_panels
 
         if blocks.shape != weight.shape:
             raise ValueError(f"rows_gemm: blocks {tuple(blocks.shape)} for a weight {tuple(weight.shape)}")
-        return PackedWeight(pack_panels(blocks), weight, blocks.format)
+        return PackedWeight(pack_panels(blocks), weight, blocks.format, self.pack(weight, threads))
 
     def linear(self, x: Tensor, w: Tensor | PackedWeight, threads: int | None = None) -> Tensor:
         """[..., K] × [N, K] (or its ``pack`` / ``pack_blocks``) → [..., N]."""
         packed = isinstance(w, PackedWeight)
+        if packed:
+            w = w.for_rows(x.numel() // x.shape[-1])
         weight = w.panels if packed else w.contiguous()
         if packed and w.format != "f32":
             self._check(x)

@@ -17,7 +17,7 @@ from components.engine import SpeculativeEngine, SuffixDrafter, target_only_gene
 from components.target.blocks import BlockIndex, Blocks, pack_panels, read_gguf
 from components.target.fast import StepTarget, step_target
 from components.target.hf import TargetError
-from components.target.kernels import RowsGemm, why_unavailable
+from components.target.kernels import BLOCK_ROWS, RowsGemm, why_unavailable
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
 
 gguf = pytest.importorskip("gguf")
@@ -105,15 +105,18 @@ def test_block_products_equal_the_float32_kernels(tmp_path_factory, fmt, k):
         blocks = BlockIndex([_blocks_of(w, fmt)]).find(w)
         assert blocks is not None
         packed, plain = kernel.pack_blocks(blocks, w), kernel.pack(w)
-        assert packed.format == fmt and packed.panels.dtype == torch.uint8
+        assert packed.format == fmt and packed.panels.dtype == torch.uint8 and packed.dense.format == "f32"
         assert packed.panels.shape == ((n + 15) // 16, k // 32, 384 if fmt == "q4_1" else 576)
+        only_blocks = dataclasses.replace(packed, dense=None)  # every row count through the blocks kernel
         for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17):
             x = torch.randn(rows, k, generator=gen)
             for threads in (1, 2):
-                got, want = kernel.linear(x, packed, threads), kernel.linear(x, plain, threads)
+                got, want = kernel.linear(x, only_blocks, threads), kernel.linear(x, plain, threads)
                 if rows in (1, 4, 5, 6):
                     assert torch.equal(got, want), (rows, threads)
                 torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-4)
+                if rows > BLOCK_ROWS:  # longer passes read the float32 panels
+                    assert torch.equal(kernel.linear(x, packed, threads), want)
 
 
 def _blocks_of(w: torch.Tensor, fmt: str) -> Blocks:
