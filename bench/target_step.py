@@ -11,7 +11,8 @@ use at that thread count).
 
 Prints a markdown table: per thread count and k, the medians of hf, fast and fast on blocks
 (interleaved, so load from other processes falls on all alike), each fast step over its floor,
-T(k)/T(1) of each and the speedups. Also the arithmetic beside it: GFLOP per pass. SmolLM2-135M-Instruct in
+the arithmetic's own floor (the pass's FLOPs at the rate a large float32 matrix product reaches
+in the same run), T(k)/T(1) of each and the speedups. Also the arithmetic beside it: GFLOP per pass. SmolLM2-135M-Instruct in
 float32 (converted once into ``--cache-dir``). Nothing is asserted; the numbers describe this
 machine.
 """
@@ -80,15 +81,18 @@ def main(argv: list[str] | None = None) -> None:
           f"as float32 panels, {read_bytes['blocks'] / 1e6:.0f} MB as the checkpoint's blocks "
           f"({', '.join(steps['blocks'].weight_formats)}); context {args.context}, {args.reps} reps, medians; "
           f"torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}\n")
-    print("| threads | floor ms f32 / blocks (GB/s) | k | GFLOP | hf ms | fast ms | blocks ms | fast / floor | "
-          "blocks / its floor | hf T(k)/T(1) | fast T(k)/T(1) | blocks T(k)/T(1) | blocks over fast | blocks over hf |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| threads | floor ms f32 / blocks (GB/s) | k | GFLOP | arithmetic ms (GFLOP/s) | hf ms | fast ms | blocks ms | "
+          "fast / floor | blocks / its floor | hf T(k)/T(1) | fast T(k)/T(1) | blocks T(k)/T(1) | blocks over fast | "
+          "blocks over hf |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    square = torch.randn(1024, 1024, generator=gen)
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for k in ks:  # warm-up
             for name in targets:
                 run_pass(name, k)
         floor = {name: median_ms(lambda b=b: b.sum(), args.reps) for name, b in blocks.items()}
+        flops = 2 * 1024 ** 3 / median_ms(lambda: square @ square, args.reps) / 1e6  # GFLOP/s of a large sgemm
         rows: dict[int, dict[str, float]] = {}
         for k in ks:
             times: dict[str, list[float]] = {name: [] for name in targets}
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         for k in ks:
             r = rows[k]
             print(f"| {threads} | {floor['fast']:.1f} / {floor['blocks']:.1f} ({read_bytes['fast'] / floor['fast'] / 1e6:.1f}) "
-                  f"| {k} | {2 * params * k / 1e9:.2f} | {r['hf']:.1f} | {r['fast']:.1f} | {r['blocks']:.1f} | "
+                  f"| {k} | {2 * params * k / 1e9:.2f} | {2 * params * k / 1e6 / flops:.1f} ({flops:.0f}) | "
+                  f"{r['hf']:.1f} | {r['fast']:.1f} | {r['blocks']:.1f} | "
                   f"{r['fast'] / floor['fast']:.2f} | {r['blocks'] / floor['blocks']:.2f} | {r['hf'] / first['hf']:.2f} | "
                   f"{r['fast'] / first['fast']:.2f} | {r['blocks'] / first['blocks']:.2f} | {r['fast'] / r['blocks']:.2f}x | "
                   f"{r['hf'] / r['blocks']:.2f}x |", flush=True)
