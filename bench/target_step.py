@@ -2,7 +2,8 @@
 ``--context``-token KV cache, for the transformers forward (``target.step: hf``) and the fast
 step (``fast``: static slab + our weight-streaming kernel) reading float32 panels
 (``target.step_weights: float32``) and reading the checkpoint's own Q4_1 / Q8_0 blocks
-(``auto``), beside the floor measured in the same run: the seconds a pass needs to read every
+(``auto``; and through the kernel built for each other instruction set the CPU runs, e.g. AVX2
+beside AVX-512), beside the floor measured in the same run: the seconds a pass needs to read every
 weight once, taken from a sum over a tensor of the bytes each reads (the bandwidth one pass can
 use at that thread count).
 
@@ -11,8 +12,8 @@ use at that thread count).
 
 Prints a markdown table: per thread count and k, the medians of hf, fast and fast on blocks
 (interleaved, so load from other processes falls on all alike), each fast step over its floor,
-the arithmetic's own floor (the pass's FLOPs at the rate a large float32 matrix product reaches
-in the same run), T(k)/T(1) of each and the speedups. Also the arithmetic beside it: GFLOP per pass. SmolLM2-135M-Instruct in
+the arithmetic's own floor (the pass's FLOPs at the kernel's vector FMA peak, measured in the
+same run; a large float32 matrix product's rate beside it), T(k)/T(1) of each and the speedups. Also the arithmetic beside it: GFLOP per pass. SmolLM2-135M-Instruct in
 float32 (converted once into ``--cache-dir``). Nothing is asserted; the numbers describe this
 machine.
 """
@@ -34,7 +35,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from components.config import SMOLLM2_TARGET, TargetConfig
 from components.engine.core import crop_cache
 from components.target import load_target
-from components.target.fast import StepTarget, step_target
+from components.target.fast import StepTarget, kernel_gemm, step_target
+from components.target.kernels import RowsGemm, isas
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,6 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     hf = load_target(cfg)
     steps = {"fast": step_target(hf, dataclasses.replace(cfg, step_weights="float32")), "blocks": step_target(hf, cfg)}
     assert all(isinstance(t, StepTarget) for t in steps.values()) and steps["blocks"].weight_formats != ("f32",)
+    best = steps["blocks"].decoder.kernels
+    others = [isa for isa in isas() if isa != best.isa]  # the same blocks through the kernels of other ISAs
+    for isa in others:
+        kernel = RowsGemm.build(Path(cfg.cache_dir) / "kernels", isa)
+        steps[f"blocks {isa}"] = StepTarget(hf, (), cfg.static_len, kernel_gemm(hf, cfg, kernel), kernel)
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.model.parameters())
     read_bytes = {name: _bytes_read(t) for name, t in steps.items()}  # what one decode pass streams
     params = sum(p.numel() for p in hf.model.parameters())
@@ -80,11 +87,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"SmolLM2-135M: {weight_bytes / 1e6:.0f} MB of float32 weights; a pass reads {read_bytes['fast'] / 1e6:.0f} MB "
           f"as float32 panels, {read_bytes['blocks'] / 1e6:.0f} MB as the checkpoint's blocks "
           f"({', '.join(steps['blocks'].weight_formats)}); context {args.context}, {args.reps} reps, medians; "
-          f"torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}\n")
-    print("| threads | floor ms f32 / blocks (GB/s) | k | GFLOP | arithmetic ms (GFLOP/s) | hf ms | fast ms | blocks ms | "
-          "fast / floor | blocks / its floor | hf T(k)/T(1) | fast T(k)/T(1) | blocks T(k)/T(1) | blocks over fast | "
-          "blocks over hf |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}, kernel {best.isa}"
+          f"{''.join(f', blocks {isa} beside it' for isa in others)}\n")
+    print("| threads | floor ms f32 / blocks (GB/s) | k | GFLOP | arithmetic ms at the FMA peak (GFLOP/s; sgemm's) | hf ms | "
+          "fast ms | blocks ms | " + "".join(f"blocks {isa} ms | " for isa in others) + "fast / floor | blocks / its floor | "
+          "hf T(k)/T(1) | fast T(k)/T(1) | blocks T(k)/T(1) | blocks over fast | blocks over hf |"
+          + "".join(f" blocks over {isa} |" for isa in others))
+    print("|---" * (15 + 2 * len(others)) + "|")
     square = torch.randn(1024, 1024, generator=gen)
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -92,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
             for name in targets:
                 run_pass(name, k)
         floor = {name: median_ms(lambda b=b: b.sum(), args.reps) for name, b in blocks.items()}
-        flops = 2 * 1024 ** 3 / median_ms(lambda: square @ square, args.reps) / 1e6  # GFLOP/s of a large sgemm
+        sgemm = 2 * 1024 ** 3 / median_ms(lambda: square @ square, args.reps) / 1e6  # GFLOP/s of a large sgemm
+        flops = best.fma_rate(threads)  # the vector units' own ceiling
         rows: dict[int, dict[str, float]] = {}
         for k in ks:
             times: dict[str, list[float]] = {name: [] for name in targets}
@@ -104,11 +114,13 @@ def main(argv: list[str] | None = None) -> None:
         for k in ks:
             r = rows[k]
             print(f"| {threads} | {floor['fast']:.1f} / {floor['blocks']:.1f} ({read_bytes['fast'] / floor['fast'] / 1e6:.1f}) "
-                  f"| {k} | {2 * params * k / 1e9:.2f} | {2 * params * k / 1e6 / flops:.1f} ({flops:.0f}) | "
+                  f"| {k} | {2 * params * k / 1e9:.2f} | {2 * params * k / 1e6 / flops:.1f} ({flops:.0f}; {sgemm:.0f}) | "
                   f"{r['hf']:.1f} | {r['fast']:.1f} | {r['blocks']:.1f} | "
+                  + "".join(f"{r[f'blocks {isa}']:.1f} | " for isa in others) +
                   f"{r['fast'] / floor['fast']:.2f} | {r['blocks'] / floor['blocks']:.2f} | {r['hf'] / first['hf']:.2f} | "
                   f"{r['fast'] / first['fast']:.2f} | {r['blocks'] / first['blocks']:.2f} | {r['fast'] / r['blocks']:.2f}x | "
-                  f"{r['hf'] / r['blocks']:.2f}x |", flush=True)
+                  f"{r['hf'] / r['blocks']:.2f}x |" + "".join(f" {r[f'blocks {isa}'] / r['blocks']:.2f}x |" for isa in others),
+                  flush=True)
 
 
 def _bytes_read(target: StepTarget) -> int:

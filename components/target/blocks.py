@@ -148,11 +148,17 @@ class BlockIndex:
         return None
 
 
-def pack_panels(blocks: Blocks) -> Tensor:
-    """``blocks`` [N, K] in the kernel's layout (rows_gemm_blocks.c): panels of 16 rows (rows past
-    N zero), each a record per 32 k: float32 d[16] (then m[16] for q4_1), then the 32 k's q:
-    q4_1 8 bytes a k (byte j = q[row j] | q[row j + 8] << 4), q8_0 16 bytes a k. → uint8
-    [ceil(N/16), K/32, record bytes]."""
+NIBBLES = ("rows", "words")  # how a Q4_1 record lays out its 4-bit q (the kernel declares which it reads)
+
+
+def pack_panels(blocks: Blocks, nibbles: str = "rows") -> Tensor:
+    """``blocks`` [N, K] in the kernel's layout: panels of 16 rows (rows past N zero), each a
+    record per 32 k: float32 d[16] (then m[16] for q4_1), then the 32 k's q: q8_0 16 bytes a k;
+    q4_1 256 bytes, ``nibbles`` "rows" (rows_gemm_blocks.c) 8 bytes a k (byte j = q[row j] |
+    q[row j + 8] << 4), "words" (rows_gemm_512.c) 64 bytes a group of 8 k (32-bit word j =
+    q[row j] of those k, 4 bits each, the first k lowest). → uint8 [ceil(N/16), K/32, record bytes]."""
+    if nibbles not in NIBBLES:
+        raise ValueError(f"pack_panels: nibbles '{nibbles}' is not one of {list(NIBBLES)}")
     n, k = blocks.shape
     panels, groups, pad = -(-n // PANEL), k // BLOCK, -n % PANEL
 
@@ -163,8 +169,12 @@ def pack_panels(blocks: Blocks) -> Tensor:
     parts = [per_record(blocks.d).view(torch.uint8)]  # [P, G, 64]
     if blocks.format == "q4_1":
         parts.append(per_record(blocks.m).view(torch.uint8))
-        nibbles = (q[..., :PANEL // 2] | (q[..., PANEL // 2:] << 4)).contiguous()  # [P, G, 32, 8]
-        parts.append(nibbles.view(panels, groups, BLOCK * PANEL // 2))
+        if nibbles == "rows":
+            packed = q[..., :PANEL // 2] | (q[..., PANEL // 2:] << 4)  # [P, G, 32, 8]
+        else:  # [P, G, 4 groups, 16 rows, 4 bytes]: byte b of word j = q[j][2b] | q[j][2b + 1] << 4
+            per_row = q.reshape(panels, groups, 4, 8, PANEL).transpose(3, 4)  # [P, G, 4, 16, 8]
+            packed = per_row[..., 0::2] | (per_row[..., 1::2] << 4)
+        parts.append(packed.contiguous().view(panels, groups, BLOCK * PANEL // 2))
     else:
         parts.append(q.contiguous().view(torch.uint8).view(panels, groups, BLOCK * PANEL))
     out = torch.cat(parts, dim=-1).contiguous()

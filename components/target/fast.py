@@ -105,7 +105,8 @@ class StepTarget(Target):
     @property
     def forward_kind(self) -> str:
         weights = "" if self.weight_formats == ("f32",) else f", {'/'.join(self.weight_formats)} blocks"
-        return f"fast step, {'kernel' if self.decoder.kernels is not None else 'torch'}{weights}, {self.capacity} slots"
+        kernels = self.decoder.kernels
+        return f"fast step, {f'kernel {kernels.isa}' if kernels is not None else 'torch'}{weights}, {self.capacity} slots"
 
     def slot_pool(self, rows: int) -> SlotPool:
         """A slab of ``rows`` sequences of ``capacity`` slots each, for the batch engine."""

@@ -14,10 +14,13 @@
   weights as they are ([N, K]) take a dot-product kernel whose extra rows cost more;
 * ``rows_gemm_blocks.c`` -- the same products with the weight in the block-quantized format the
   checkpoint stores it in (Q4_1, Q8_0: ``components.target.blocks``), decoded exactly in
-  registers: a pass reads 0.75 or 1.125 bytes a weight instead of 4 (``RowsGemm.pack_blocks``).
+  registers: a pass reads 0.75 or 1.125 bytes a weight instead of 4 (``RowsGemm.pack_blocks``);
+* ``rows_gemm_512.c`` -- both packed products again for CPUs with AVX-512, built in place of the
+  AVX2 ones there (``isa``): a 16-float register holds a whole panel line, so a row costs one FMA
+  a k, a Q4_1 line decodes without shuffles, and up to 16 rows share one read of each panel.
 
-``RowsGemm.build(dir)`` compiles the source into ``dir`` once (keyed by a hash of the source and
-flags; written under a temporary name and renamed, so an interrupted build leaves nothing) and
+``RowsGemm.build(dir, isa)`` compiles the source into ``dir`` once (keyed by the instruction set
+and a hash of the source and flags; written under a temporary name and renamed, so an interrupted build leaves nothing) and
 loads it with ctypes: plain C, no torch headers, so a build takes about a second. Whether it
 can run here is declared by the CPU (``torch.backends.cpu.get_cpu_capability``) and the
 presence of a C compiler, never by trying. Knows float32 row-major tensors; nothing of models.
@@ -31,6 +34,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +42,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("rows_gemm.c", "rows_gemm_blocks.c", "layer.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("rows_gemm.c", "rows_gemm_blocks.c", "rows_gemm_512.c", "layer.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
-VECTOR_CPUS = ("AVX2", "AVX512")  # torch's names for CPUs with AVX2 and FMA
+# per instruction set: the flags that add to FLAGS (avx512: rows_gemm_512.c's packed products in
+# place of the AVX2 ones); an AVX512 CPU (torch's name: AVX-512 F/BW/VL/DQ) can run either
+ISA_FLAGS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DROWS_GEMM_AVX512")}
+CPU_ISAS = {"AVX2": ("avx2",), "AVX512": ("avx512", "avx2")}  # torch's CPU capability → ISAs it runs, best first
+VECTOR_CPUS = tuple(CPU_ISAS)  # torch's names for CPUs with AVX2 and FMA
 
 
 class KernelUnavailable(RuntimeError):
@@ -49,6 +58,12 @@ class KernelUnavailable(RuntimeError):
 
 def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def isas() -> tuple[str, ...]:
+    """The instruction sets the kernel can be built for on this CPU, as declared by torch's CPU
+    capability, best first (empty where none)."""
+    return CPU_ISAS.get(torch.backends.cpu.get_cpu_capability(), ())
 
 
 def why_unavailable() -> str | None:
@@ -95,8 +110,9 @@ class RowsGemm:
     and ``w`` [N, K] (or ``pack(w)``, much faster for 2+ rows) on the CPU, on ``threads``
     threads (default: torch's)."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path):
-        self.path = path
+    def __init__(self, lib: ctypes.CDLL, path: Path, isa: str = "avx2"):
+        self.path, self.isa = path, isa
+        self.nibbles = "words" if isa == "avx512" else "rows"  # the Q4_1 layout it reads (blocks.pack_panels)
         gemm_args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fn, self._packed, self._pack = lib.rows_gemm, lib.rows_gemm_packed, lib.rows_gemm_pack
         self._fn.argtypes = self._packed.argtypes = gemm_args
@@ -105,6 +121,8 @@ class RowsGemm:
         self._blocks = {"q4_1": lib.rows_gemm_q41, "q8_0": lib.rows_gemm_q80}
         for fn in self._blocks.values():
             fn.argtypes, fn.restype = gemm_args, None
+        self._fma_peak = lib.fma_peak
+        self._fma_peak.argtypes, self._fma_peak.restype = [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p], ctypes.c_double
         self._layer = lib.llama_layer
         self._layer.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
                                 + [ctypes.c_float] + [ctypes.c_void_p] * 10
@@ -112,19 +130,24 @@ class RowsGemm:
         self._layer.restype = None
 
     @classmethod
-    def build(cls, directory: Path) -> RowsGemm:
+    def build(cls, directory: Path, isa: str | None = None) -> RowsGemm:
+        """Compiled for ``isa`` (default: the best this CPU declares, ``isas()``) into ``directory``."""
         why = why_unavailable()
         if why:
             raise KernelUnavailable(why)
+        isa = isa or isas()[0]
+        if isa not in isas():
+            raise KernelUnavailable(f"the CPU offers {torch.backends.cpu.get_cpu_capability()}, not {isa}")
+        flags = FLAGS + ISA_FLAGS[isa]
         source = b"".join(src.read_bytes() for src in SOURCES)
-        key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-        path = directory / f"rows_gemm-{key}.so"
+        key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+        path = directory / f"rows_gemm-{isa}-{key}.so"
         if not path.is_file():
             directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
             os.close(fd)
             try:
-                done = subprocess.run([compiler(), *FLAGS, "-o", tmp, *map(str, SOURCES)], check=False, capture_output=True,
+                done = subprocess.run([compiler(), *flags, "-o", tmp, *map(str, SOURCES)], check=False, capture_output=True,
                                       text=True)
                 if done.returncode != 0:
                     raise KernelUnavailable(f"building {[src.name for src in SOURCES]} failed: {done.stderr.strip()[:500]}")
@@ -132,7 +155,19 @@ class RowsGemm:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        return cls(ctypes.CDLL(str(path)), path)
+        return cls(ctypes.CDLL(str(path)), path, isa)
+
+    def fma_rate(self, threads: int = 1, seconds: float = 0.2) -> float:
+        """GFLOP/s of this build's vector FMAs on ``threads`` threads (independent chains, no
+        memory): the arithmetic's ceiling, for benchmarks to set a pass against."""
+        out, n = ctypes.c_float(0.0), 1_000_000
+        while True:
+            clock = time.perf_counter()
+            flops = self._fma_peak(n, threads, ctypes.byref(out))
+            took = time.perf_counter() - clock
+            if took >= seconds:
+                return flops / took / 1e9
+            n = int(n * min(10.0, 1.5 * seconds / max(took, 1e-6)))
 
     def layer(self, x: Tensor, seq: Tensor, pos: Tensor, shape: Any, weights: Any, k: Tensor, v: Tensor,
               cos: Tensor, sin: Tensor, threads: int | None = None) -> None:
@@ -179,7 +214,7 @@ class RowsGemm:
 
         if blocks.shape != weight.shape:
             raise ValueError(f"rows_gemm: blocks {tuple(blocks.shape)} for a weight {tuple(weight.shape)}")
-        return PackedWeight(pack_panels(blocks), weight, blocks.format, self.pack(weight, threads))
+        return PackedWeight(pack_panels(blocks, self.nibbles), weight, blocks.format, self.pack(weight, threads))
 
     def linear(self, x: Tensor, w: Tensor | PackedWeight, threads: int | None = None) -> Tensor:
         """[..., K] × [N, K] (or its ``pack`` / ``pack_blocks``) → [..., N]."""

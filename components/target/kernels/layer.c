@@ -13,8 +13,10 @@
  * other causally (a row reads slots up to its own position, whatever the call order).
  *
  * The weights come packed in panels of 16 rows, each product's in its own format (`formats`:
- * float32 panels, rows_gemm.c; or the checkpoint's Q4_1 / Q8_0 blocks, rows_gemm_blocks.c); attention runs one (head, token) per
- * OpenMP iteration. Same arithmetic as the torch path in float32, summed in another order.
+ * float32 panels, rows_gemm.c; or the checkpoint's Q4_1 / Q8_0 blocks, rows_gemm_blocks.c; on AVX-512 CPUs
+ * rows_gemm_512.c's); attention runs one (head, token) per OpenMP iteration, 8 keys at a time,
+ * its exponentials (and SiLU's) by a vectorized expf within 2 ulp. Same arithmetic as the torch
+ * path in float32, summed in another order.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -33,6 +35,12 @@ static void gemm(int format, const float *x, const void *w, float *y, int64_t M,
     else rows_gemm_packed(x, w, y, M, K, N, threads);
 }
 
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    return _mm_cvtss_f32(_mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
+}
+
 /* a · b over n floats: AVX2, two accumulators (a scalar loop would not vectorize: a float
  * reduction may not be reordered without -ffast-math) */
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -43,10 +51,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
         s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
     }
     for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    __m256 v = _mm256_add_ps(s0, s1);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    float total = _mm_cvtss_f32(_mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
+    float total = hsum8(_mm256_add_ps(s0, s1));
     for (; i < n; i++) total += a[i] * b[i];
     return total;
 }
@@ -58,6 +63,85 @@ static void rms_rows(const float *x, const float *w, float *y, int64_t rows, int
         float ss = dot(xr, xr, n);
         float inv = 1.f / sqrtf(ss / (float)n + eps);
         for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* e^x for 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
+ * times 2^n; within 2 ulp of expf), x clamped to [-87, 88] (e^-87 ~ 1.6e-38: a softmax weight
+ * that small adds nothing beside the top's 1). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
+
+/* s[j] = q · keys[j] * scale for 8 keys (rows of [.., d], d % 8 == 0): one accumulator per key,
+ * the q chunk loaded once per 8 dims, then the 8 sums taken across lanes together. */
+static inline void scores8(const float *q, const float *keys, int64_t d, float scale, float *s) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 qi = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys + j * d + i), a[j]);
+    }
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* [s0..s3 of lanes 0-3 | of lanes 4-7], .. */
+    __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(s, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+
+/* One query q [d] over keys/values ks/vs [n, d] → out [d] = softmax(q kᵀ scale) v; sc: n floats
+ * of scratch. Vectorized for d % 8 == 0 (8 keys a time, exp8, 4 accumulators per 8 dims). */
+static void attend(const float *q, const float *ks, const float *vs, int64_t n, int64_t d, float scale,
+                   float *sc, float *out) {
+    int64_t j = 0;
+    if (d % 8 == 0)
+        for (; j + 8 <= n; j += 8) scores8(q, ks + j * d, d, scale, sc + j);
+    for (; j < n; j++) sc[j] = dot(q, ks + j * d, d) * scale;
+    float top = -INFINITY, sum = 0.f;
+    for (j = 0; j < n; j++) top = sc[j] > top ? sc[j] : top;
+    __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+    for (j = 0; j + 8 <= n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), shift));
+        _mm256_storeu_ps(sc + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    for (; j < n; j++) sum += (sc[j] = exp1(sc[j] - top));
+    sum += hsum8(total);
+    float inv = 1.f / sum;
+    if (d % 8 != 0) {
+        memset(out, 0, sizeof(float) * d);
+        for (j = 0; j < n; j++)
+            for (int64_t i = 0; i < d; i++) out[i] += sc[j] * vs[j * d + i];
+        for (int64_t i = 0; i < d; i++) out[i] *= inv;
+        return;
+    }
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (j = 0; j + 4 <= n; j += 4) {
+            const float *v = vs + j * d + i;
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j + 1]), _mm256_loadu_ps(v + d), a1);
+            a2 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j + 2]), _mm256_loadu_ps(v + 2 * d), a2);
+            a3 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j + 3]), _mm256_loadu_ps(v + 3 * d), a3);
+        }
+        for (; j < n; j++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_loadu_ps(vs + j * d + i), a0);
+        __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_set1_ps(inv)));
     }
 }
 
@@ -108,29 +192,24 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
         int64_t head = it / T, t = it % T, n = pos[t] + 1;
         const float *q = qkv + t * width + head * d;
         const float *ks = kc + (seq[t] * hkv + head / group) * S * d, *vs = vc + (seq[t] * hkv + head / group) * S * d;
-        float *sc = scores + it * span, *out = att + t * hq * d + head * d;
-        float top = -INFINITY, sum = 0.f;
-        for (int64_t j = 0; j < n; j++) {
-            sc[j] = dot(q, ks + j * d, d) * scale;
-            top = sc[j] > top ? sc[j] : top;
-        }
-        for (int64_t j = 0; j < n; j++) sum += (sc[j] = expf(sc[j] - top));
-        memset(out, 0, sizeof(float) * d);
-        for (int64_t j = 0; j < n; j++) {
-            const float *vr = vs + j * d;
-            float p = sc[j] / sum;
-            for (int64_t i = 0; i < d; i++) out[i] += p * vr[i];
-        }
+        attend(q, ks, vs, n, d, scale, scores + it * span, att + t * hq * d + head * d);
     }
     gemm(formats[1], att, wo, tmp, T, hq * d, H, threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
     rms_rows(x, norm2, h, T, H, eps);
     gemm(formats[2], h, wgu, tmp, T, H, 2 * inter, threads);
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < inter; i++) {
-            float g = tmp[t * 2 * inter + i], u = tmp[t * 2 * inter + inter + i];
-            act[t * inter + i] = g / (1.f + expf(-g)) * u;
+    for (int64_t t = 0; t < T; t++) { /* silu(g) * u = g / (1 + e^-g) * u */
+        const float *g = tmp + t * 2 * inter, *u = g + inter;
+        float *a = act + t * inter;
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8) {
+            __m256 gi = _mm256_loadu_ps(g + i);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gi));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gi, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                                  _mm256_loadu_ps(u + i)));
         }
+        for (; i < inter; i++) a[i] = g[i] / (1.f + exp1(-g[i])) * u[i];
+    }
     gemm(formats[3], act, wdown, tmp, T, inter, H, threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
     free(h), free(qkv), free(att), free(tmp), free(act), free(scores);

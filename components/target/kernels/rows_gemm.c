@@ -133,6 +133,8 @@ void rows_gemm_pack(const float *w, float *p, int64_t N, int64_t K, int threads)
     }
 }
 
+#ifndef ROWS_GEMM_AVX512 /* on AVX-512 CPUs rows_gemm_512.c's products take their place */
+
 /* 16 results to y, or the first `cols` of them at the last panel */
 static inline void put16(float *y, int64_t cols, __m256 lo, __m256 hi) {
     if (cols == NR) {
@@ -271,3 +273,21 @@ void rows_gemm_packed(const float *x, const float *p, float *y, int64_t M, int64
         }
     }
 }
+
+/* The FMA units' rate, for benchmarks: n iterations of 12 independent ymm FMA chains on each of
+ * `threads` threads; returns the FLOPs done (out: a sum, so the work is not optimized away). */
+double fma_peak(int64_t n, int threads, float *out) {
+    #pragma omp parallel num_threads(threads)
+    {
+        __m256 a[12], b = _mm256_set1_ps(0.5f);
+        for (int j = 0; j < 12; j++) a[j] = _mm256_set1_ps((float)j);
+        for (int64_t i = 0; i < n; i++)
+            _Pragma("GCC unroll 12") for (int j = 0; j < 12; j++) a[j] = _mm256_fmadd_ps(a[j], b, b);
+        float s = 0;
+        for (int j = 0; j < 12; j++) s += _mm256_cvtss_f32(a[j]);
+        #pragma omp atomic
+        *out += s;
+    }
+    return (double)n * 12 * 16 * threads;
+}
+#endif

@@ -17,6 +17,7 @@
  * kernel equals, bit for bit, the float32 packed kernel's product with the decoded weights.
  * K must be a multiple of 32. Needs AVX2 and FMA.
  */
+#ifndef ROWS_GEMM_AVX512 /* on AVX-512 CPUs rows_gemm_512.c's products take their place */
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -171,3 +172,4 @@ static inline int64_t block_rows(int64_t left) {
 #define q80_BYTES Q80_BYTES
 GEMM(q41)
 GEMM(q80)
+#endif

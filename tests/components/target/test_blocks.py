@@ -17,7 +17,7 @@ from components.engine import SpeculativeEngine, SuffixDrafter, target_only_gene
 from components.target.blocks import BlockIndex, Blocks, pack_panels, read_gguf
 from components.target.fast import StepTarget, step_target
 from components.target.hf import TargetError
-from components.target.kernels import BLOCK_ROWS, RowsGemm, why_unavailable
+from components.target.kernels import BLOCK_ROWS, RowsGemm, isas, why_unavailable
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
 
 gguf = pytest.importorskip("gguf")
@@ -93,12 +93,15 @@ def test_find_refuses_what_it_cannot_reproduce(index, weights):
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("k", [64, 96])
-def test_block_products_equal_the_float32_kernels(tmp_path_factory, fmt, k):
-    """With the decoded weights: bit for bit where the tiles sum in the float32 kernel's order (1
-    and 4..6 rows), else within float32 rounding; 45 and 77 weight rows (not multiples of 16)."""
-    kernel = RowsGemm.build(tmp_path_factory.mktemp("kernels"))
+def test_block_products_equal_the_float32_kernels(tmp_path_factory, isa, fmt, k):
+    """With the decoded weights: bit for bit where the tiles sum in the float32 kernel's order
+    (AVX2: 1 and 4..6 rows; AVX-512: every row count), else within float32 rounding; 45 and 77
+    weight rows (not multiples of 16)."""
+    kernel = RowsGemm.build(tmp_path_factory.mktemp("kernels"), isa)
+    same_order = range(1, 18) if isa == "avx512" else (1, 4, 5, 6)
     gen = torch.Generator().manual_seed(k)
     for n in (45, 77):
         w = as_stored(torch.randn(n, k, generator=gen).numpy(), fmt)
@@ -112,7 +115,7 @@ def test_block_products_equal_the_float32_kernels(tmp_path_factory, fmt, k):
             x = torch.randn(rows, k, generator=gen)
             for threads in (1, 2):
                 got, want = kernel.linear(x, only_blocks, threads), kernel.linear(x, plain, threads)
-                if rows in (1, 4, 5, 6):
+                if rows in same_order:
                     assert torch.equal(got, want), (rows, threads)
                 torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-4)
                 if rows > BLOCK_ROWS:  # longer passes read the float32 panels
@@ -140,6 +143,14 @@ def test_pack_panels_layout():
     nib = out[0, 0, 128:136]  # k = 0: byte j = q[j, 0] | q[j + 8, 0] << 4
     assert nib.tolist() == [int(q[j, 0]) | int(q[j + 8, 0]) << 4 for j in range(8)]
     assert out[1, 0, 16:64].view(torch.float32).tolist() == [0.0] * 12  # rows past N: zero
+    words = pack_panels(Blocks("q4_1", q, d, m), nibbles="words")  # per 8 k, word j: row j's q, first k lowest
+    assert torch.equal(words[..., :128], out[..., :128])
+    for group in range(4):
+        got = words[0, 0, 128 + 64 * group:192 + 64 * group].view(torch.int32).tolist()
+        assert got == [sum(int(q[j, 8 * group + i]) << 4 * i for i in range(8)) - (1 << 32) * (q[j, 8 * group + 7] >= 8)
+                       for j in range(16)]
+    with pytest.raises(ValueError, match="nibbles"):
+        pack_panels(Blocks("q4_1", q, d, m), nibbles="bytes")
 
 
 @pytest.fixture(scope="module")

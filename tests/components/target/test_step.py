@@ -22,16 +22,17 @@ from components.engine.core import crop_cache
 from components.evaluation.runner import NEAR_TIE
 from components.target.fast import MAX_KERNEL_ROWS, KernelGemm, StepTarget, step_target, step_wanted
 from components.target.hf import TargetError
-from components.target.kernels import RowsGemm, why_unavailable
+from components.target.kernels import RowsGemm, isas, why_unavailable
 from components.target.step import StaticCache, causal_mask
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
 
 needs_kernel = pytest.mark.skipif(why_unavailable() is not None, reason=f"kernel: {why_unavailable()}")
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> RowsGemm:
-    return RowsGemm.build(tmp_path_factory.mktemp("kernels"))
+@pytest.fixture(scope="module", params=isas() or ["none"])
+def kernel(request, tmp_path_factory) -> RowsGemm:
+    """The kernel built for each instruction set this CPU runs (AVX-512 CPUs: both builds)."""
+    return RowsGemm.build(tmp_path_factory.mktemp("kernels"), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def fast(tiny_target_cfg, tiny_target) -> StepTarget:
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17])
-@pytest.mark.parametrize("k", [8, 37, 64, 100])
+@pytest.mark.parametrize("k", [8, 37, 64, 100])  # 100: a float32 panel past a multiple of 32 k
 def test_kernel_equals_torch(kernel, rows, k):
     """Unpacked and packed weights; 45 and 77 weight rows: not multiples of the 16-row panel."""
     gen = torch.Generator().manual_seed(rows * 1000 + k)
