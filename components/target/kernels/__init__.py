@@ -78,7 +78,7 @@ def why_unavailable() -> str | None:
 
 PANEL = 16  # weight rows per packed panel (NR in rows_gemm.c)
 FORMATS = ("f32", "q4_1", "q8_0")  # a packed weight's format; its index is the code layer.c takes
-BLOCK_ROWS = 8  # passes of up to this many rows read blocks, longer ones float32 panels (bench/target_step.py)
+BLOCK_ROWS = 8  # AVX2: passes of up to this many rows read blocks, longer ones float32 panels (bench/target_step.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,9 +87,10 @@ class PackedWeight:
     (rows past N zero), a copy, or for ``format`` q4_1 / q8_0 the checkpoint's blocks in the
     layout of ``blocks.pack_panels`` (uint8); ``weight`` is the float32 tensor it stands for (kept,
     not copied, for products the kernel does not serve, e.g. a prefill through torch's GEMM).
-    ``dense``: for blocks, the same weight as float32 panels, which passes of more than
-    ``BLOCK_ROWS`` rows read instead (there the arithmetic, not the stream, sets the pace, and
-    decoding adds to it: docs/results.md)."""
+    ``dense``: for blocks through the AVX2 kernel, the same weight as float32 panels, which passes
+    of more than ``BLOCK_ROWS`` rows read instead (there the arithmetic, not the stream, sets the
+    pace, and decoding adds to it); the AVX-512 kernel decodes once per 16 rows, and its blocks are
+    faster than float32 panels at every row count (docs/results.md), so it keeps none."""
 
     panels: Tensor
     weight: Tensor
@@ -209,12 +210,13 @@ class RowsGemm:
     def pack_blocks(self, blocks: Any, weight: Tensor, threads: int | None = None) -> PackedWeight:
         """The checkpoint's blocks (``blocks.Blocks``) of the float32 ``weight`` [N, K], packed for
         ``linear`` (the caller has checked they decode to ``weight``: ``BlockIndex.find``), with
-        its float32 panels as ``dense``."""
+        its float32 panels as ``dense`` where this build reads those for longer passes (AVX2)."""
         from components.target.blocks import pack_panels
 
         if blocks.shape != weight.shape:
             raise ValueError(f"rows_gemm: blocks {tuple(blocks.shape)} for a weight {tuple(weight.shape)}")
-        return PackedWeight(pack_panels(blocks, self.nibbles), weight, blocks.format, self.pack(weight, threads))
+        dense = self.pack(weight, threads) if self.isa == "avx2" else None
+        return PackedWeight(pack_panels(blocks, self.nibbles), weight, blocks.format, dense)
 
     def linear(self, x: Tensor, w: Tensor | PackedWeight, threads: int | None = None) -> Tensor:
         """[..., K] × [N, K] (or its ``pack`` / ``pack_blocks``) → [..., N]."""

@@ -105,7 +105,7 @@ static inline void scores8(const float *q, const float *keys, int64_t d, float s
 }
 
 /* One query q [d] over keys/values ks/vs [n, d] → out [d] = softmax(q kᵀ scale) v; sc: n floats
- * of scratch. Vectorized for d % 8 == 0 (8 keys a time, exp8, 4 accumulators per 8 dims). */
+ * of scratch. Vectorized for d % 8 == 0 (8 keys a time, exp8, the values summed 64 dims at a time). */
 static void attend(const float *q, const float *ks, const float *vs, int64_t n, int64_t d, float scale,
                    float *sc, float *out) {
     int64_t j = 0;
@@ -130,18 +130,19 @@ static void attend(const float *q, const float *ks, const float *vs, int64_t n, 
         for (int64_t i = 0; i < d; i++) out[i] *= inv;
         return;
     }
-    for (int64_t i = 0; i < d; i += 8) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (j = 0; j + 4 <= n; j += 4) {
-            const float *v = vs + j * d + i;
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_loadu_ps(v), a0);
-            a1 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j + 1]), _mm256_loadu_ps(v + d), a1);
-            a2 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j + 2]), _mm256_loadu_ps(v + 2 * d), a2);
-            a3 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j + 3]), _mm256_loadu_ps(v + 3 * d), a3);
+    for (int64_t i0 = 0; i0 < d; i0 += 64) { /* 64 dims at a time in 8 registers, the value rows streamed in order */
+        int64_t width = d - i0 < 64 ? (d - i0) / 8 : 8;
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+        for (j = 0; j < n; j++) {
+            const float *v = vs + j * d + i0;
+            __m256 p = _mm256_set1_ps(sc[j]);
+            if (width == 8)
+                for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[c]);
+            else
+                for (int c = 0; c < width; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[c]);
         }
-        for (; j < n; j++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_loadu_ps(vs + j * d + i), a0);
-        __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_set1_ps(inv)));
+        for (int c = 0; c < width; c++) _mm256_storeu_ps(out + i0 + 8 * c, _mm256_mul_ps(a[c], _mm256_set1_ps(inv)));
     }
 }
 

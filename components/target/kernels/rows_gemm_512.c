@@ -27,30 +27,31 @@
 #endif
 
 /* One record = 32 k of a panel. Per format: its bytes; SCALES(b) declares what a record
- * holds once; LINES(b, kk, w) decodes the lines of k = kk .. kk + 3 of record b into w[0..3]. */
+ * holds once; LINES(b, kk, w) decodes the lines of k = kk .. kk + 7 of record b into w[0..7]
+ * (kk a multiple of 8; the loops below are unrolled, so shifts and offsets are constants). */
 #define f32_BYTES (32 * NR * 4)
 #define f32_SCALES(b)
 #define f32_LINES(b, kk, w)                                                                     \
-    for (int i_ = 0; i_ < 4; i_++) w[i_] = _mm512_loadu_ps((const float *)(b) + ((kk) + i_) * NR);
+    _Pragma("GCC unroll 8") for (int i_ = 0; i_ < 8; i_++) w[i_] = _mm512_loadu_ps((const float *)(b) + ((kk) + i_) * NR);
 
 #define q41_BYTES 384 /* float d[16], float m[16], then per 8 k 16 words: word j = row j's 8 q, 4 bits each */
 #define q41_SCALES(b)                                                                           \
     const __m512 d_ = _mm512_load_ps((const float *)(b)), m_ = _mm512_load_ps((const float *)(b) + 16); \
     const __m512i low_ = _mm512_set1_epi32(15);
-/* k = kk + i: bits 4 (kk % 8 + i) of the words of its group of 8, shifted and masked in place: no
- * shuffles (a Zen core runs few of those a cycle) */
+/* k = kk + i: bits 4i of the words of its group of 8, shifted and masked in place: no shuffles
+ * (a Zen core runs few of those a cycle) */
 #define q41_LINES(b, kk, w)                                                                     \
     {                                                                                           \
         const __m512i v_ = _mm512_loadu_si512((const void *)((b) + 128 + ((kk) >> 3) * 64));   \
-        for (int i_ = 0; i_ < 4; i_++)                                                          \
+        _Pragma("GCC unroll 8") for (int i_ = 0; i_ < 8; i_++)                                  \
             w[i_] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(                        \
-                        _mm512_srli_epi32(v_, 4 * ((kk) % 8 + i_)), low_)), d_, m_);             \
+                        _mm512_srli_epi32(v_, 4 * i_), low_)), d_, m_);                          \
     }
 
 #define q80_BYTES 576 /* float d[16], then 32 k x 16 int8 */
 #define q80_SCALES(b) const __m512 d_ = _mm512_load_ps((const float *)(b));
 #define q80_LINES(b, kk, w)                                                                     \
-    for (int i_ = 0; i_ < 4; i_++)                                                              \
+    _Pragma("GCC unroll 8") for (int i_ = 0; i_ < 8; i_++)                                      \
         w[i_] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                          \
                     _mm_loadu_si128((const __m128i *)((b) + 64 + ((kk) + i_) * 16)))), d_);
 
@@ -70,14 +71,14 @@ static inline void put(float *y, int64_t cols, __m512 v) {
         for (; g < K >> 5; g++) {                                                               \
             const uint8_t *b = p + g * F##_BYTES;                                               \
             F##_SCALES(b)                                                                       \
-            for (int kk = 0; kk < 32; kk += 4) {                                                \
-                for (int l_ = 0; l_ < F##_BYTES / 8; l_ += 64) /* this eighth of the record PDB ahead */ \
+            _Pragma("GCC unroll 4") for (int kk = 0; kk < 32; kk += 8) {                        \
+                _Pragma("GCC unroll 8") for (int l_ = 0; l_ < F##_BYTES / 4; l_ += 64) /* this quarter, PDB ahead */ \
                     _mm_prefetch((const char *)b + PDB * F##_BYTES + kk * (F##_BYTES / 32) + l_, _MM_HINT_T0); \
-                __m512 w[4];                                                                    \
+                __m512 w[8];                                                                    \
                 F##_LINES(b, kk, w)                                                             \
                 const float *xk = x + g * 32 + kk;                                              \
                 _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                            \
-                    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)                         \
+                    _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++)                         \
                         acc[r][i % S] = _mm512_fmadd_ps(w[i], _mm512_set1_ps(xk[r * ldx + i]), acc[r][i % S]); \
             }                                                                                   \
         }                                                                                       \

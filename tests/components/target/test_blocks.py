@@ -108,7 +108,8 @@ def test_block_products_equal_the_float32_kernels(tmp_path_factory, isa, fmt, k)
         blocks = BlockIndex([_blocks_of(w, fmt)]).find(w)
         assert blocks is not None
         packed, plain = kernel.pack_blocks(blocks, w), kernel.pack(w)
-        assert packed.format == fmt and packed.panels.dtype == torch.uint8 and packed.dense.format == "f32"
+        assert packed.format == fmt and packed.panels.dtype == torch.uint8
+        assert packed.dense.format == "f32" if isa == "avx2" else packed.dense is None  # AVX-512: blocks at any rows
         assert packed.panels.shape == ((n + 15) // 16, k // 32, 384 if fmt == "q4_1" else 576)
         only_blocks = dataclasses.replace(packed, dense=None)  # every row count through the blocks kernel
         for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17):
