@@ -62,15 +62,76 @@ class Blocks:
         return w if self.m is None else w + self.m[:, cols // BLOCK]
 
 
+GGML_TYPES = {3: "Q4_1", 8: "Q8_0"}  # ggml's type ids of the block formats (others: not blocks here)
+_SCALAR = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+def gguf_tensors(path: Path) -> Iterable[tuple[str, str, tuple[int, ...], np.ndarray]]:
+    """(name, ggml type name or its id, shape [rows, ..., innermost], raw bytes [rows, row bytes] uint8)
+    of every tensor in a GGUF file (version 2 or 3); the bytes (of block formats only; empty for
+    other types) are a read-only view of the mapped file.
+    Reads the header's tensor table itself: gguf's reader also decodes every metadata field
+    (the tokenizer's ~100 K strings), seconds a start that this index does not need."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    pos = 0
+
+    def take(fmt: str, count: int = 1) -> np.ndarray:
+        nonlocal pos
+        out = np.frombuffer(data, dtype=fmt, count=count, offset=pos)
+        pos += out.nbytes
+        return out
+
+    def string() -> str:
+        nonlocal pos
+        size = int(take("<u8")[0])
+        pos += size
+        return bytes(data[pos - size:pos]).decode("utf-8", errors="replace")
+
+    def skip(kind: int) -> int | float | None:  # a metadata value; returns scalars (the alignment)
+        nonlocal pos
+        if kind == 8:
+            string()
+        elif kind == 9:
+            inner, count = int(take("<u4")[0]), int(take("<u8")[0])
+            if inner in _SCALAR:
+                pos += np.dtype(_SCALAR[inner]).itemsize * count
+            else:
+                for _ in range(count):
+                    skip(inner)
+        elif kind in _SCALAR:
+            return take(_SCALAR[kind])[0].item()
+        else:
+            raise ValueError(f"{path}: metadata value type {kind} is not GGUF's")
+        return None
+
+    if bytes(data[:4]) != b"GGUF" or int(take("<u4", 2)[1]) not in (2, 3):
+        raise ValueError(f"{path}: not a GGUF file of version 2 or 3")
+    count, fields = (int(v) for v in take("<u8", 2))
+    alignment = 32
+    for _ in range(fields):
+        key, kind = string(), int(take("<u4")[0])
+        value = skip(kind)
+        if key == "general.alignment":
+            alignment = int(value)
+    table = []
+    for _ in range(count):
+        name, dims = string(), int(take("<u4")[0])
+        shape = tuple(int(v) for v in take("<u8", dims))[::-1]  # GGUF lists the innermost dimension first
+        kind, offset = int(take("<u4")[0]), int(take("<u8")[0])
+        table.append((name, GGML_TYPES.get(kind, str(kind)), shape, offset))
+    start = -(-pos // alignment) * alignment
+    for name, kind, shape, offset in table:
+        rows, inner = int(np.prod(shape[:-1])), shape[-1]
+        row_bytes = inner // BLOCK * GGUF_BYTES[kind] if kind in GGUF_BYTES else 0
+        yield name, kind, shape, data[start + offset:start + offset + rows * row_bytes].reshape(rows, row_bytes)
+
+
 def read_gguf(path: Path) -> Iterable[Blocks]:
     """Every Q4_1 / Q8_0 tensor of a GGUF file, as ``Blocks`` [rows, K] (other types skipped)."""
-    import gguf  # transformers' own GGUF dependency; imported here, where a GGUF is read
-
-    for tensor in gguf.GGUFReader(str(path)).tensors:
-        kind = tensor.tensor_type.name
+    for _, kind, _, table in gguf_tensors(path):
         if kind not in GGUF_BYTES:
             continue
-        raw = torch.from_numpy(np.array(tensor.data))  # a copy: the file stays read-only  # [rows, K/32 * bytes] uint8
+        raw = torch.from_numpy(np.array(table))  # a copy: the file stays read-only  # [rows, K/32 * bytes] uint8
         b = raw.view(raw.shape[0], -1, GGUF_BYTES[kind])  # [rows, G, bytes]
         d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()  # [rows, G]
         if kind == "Q4_1":

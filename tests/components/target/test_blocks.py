@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from components.engine import SpeculativeEngine, SuffixDrafter, target_only_generate
-from components.target.blocks import BlockIndex, Blocks, pack_panels, read_gguf
+from components.target.blocks import BlockIndex, Blocks, gguf_tensors, pack_panels, read_gguf
 from components.target.fast import StepTarget, step_target
 from components.target.hf import TargetError
 from components.target.kernels import BLOCK_ROWS, RowsGemm, isas, why_unavailable
@@ -25,9 +25,18 @@ needs_kernel = pytest.mark.skipif(why_unavailable() is not None, reason=f"kernel
 KINDS = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
 
-def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str | None]]) -> Path:
-    """A GGUF file of ``name: (float32 array, format or None)``; quantized by gguf's own code."""
+def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str | None]], metadata: bool = False) -> Path:
+    """A GGUF file of ``name: (float32 array, format or None)``; quantized by gguf's own code;
+    ``metadata``: with fields of every kind a checkpoint carries (strings, arrays of strings and
+    numbers, a non-default alignment) before the tensor table."""
     writer = gguf.GGUFWriter(str(path), "llama")
+    if metadata:
+        writer.add_custom_alignment(64)
+        writer.add_string("general.name", "tiny ✓")
+        writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "", "ü" * 40])
+        writer.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0, 0.0])
+        writer.add_uint32("llama.block_count", 2)
+        writer.add_bool("general.flag", True)
     for name, (w, fmt) in tensors.items():
         if fmt is None:
             writer.add_tensor(name, w.astype(np.float32))
@@ -62,7 +71,16 @@ def index(tmp_path_factory, weights) -> BlockIndex:
 
 def test_read_gguf_decodes_as_ggufs_reference(tmp_path, weights):
     path = write_gguf(tmp_path / "w.gguf", {"a": (weights["a"], "q4_1"), "e": (weights["e"], "q8_0"),
-                                            "f": (weights["a"], None)})
+                                            "f": (weights["a"], None)}, metadata=True)
+    table = {name: (kind, shape, raw) for name, kind, shape, raw in gguf_tensors(path)}
+    for tensor in gguf.GGUFReader(str(path)).tensors:  # the tensor table as gguf's own reader sees it
+        kind, shape, raw = table[tensor.name]
+        assert shape == tuple(int(v) for v in tensor.shape[::-1])
+        if tensor.tensor_type.name in ("Q4_1", "Q8_0"):
+            assert kind == tensor.tensor_type.name and np.array_equal(raw.reshape(-1), np.asarray(tensor.data).reshape(-1))
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(28))
+    with pytest.raises(ValueError, match="not.gguf: not a GGUF file"):
+        list(gguf_tensors(tmp_path / "not.gguf"))
     read = list(read_gguf(path))
     assert [b.format for b in read] == ["q4_1", "q8_0"]  # the float32 tensor is not blocks
     assert torch.equal(read[0].dequantize(), as_stored(weights["a"], "q4_1"))
