@@ -21,7 +21,7 @@ from components.engine import (
 from components.engine.core import crop_cache
 from components.evaluation.runner import NEAR_TIE
 from components.target.fast import MAX_KERNEL_ROWS, KernelGemm, StepTarget, step_target, step_wanted
-from components.target.hf import TargetError
+from components.target.hf import Target, TargetError
 from components.target.kernels import RowsGemm, isas, why_unavailable
 from components.target.step import StaticCache, causal_mask
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
@@ -194,3 +194,28 @@ def test_a_drafters_linears_stream_and_the_targets_stay(tiny_target_cfg, tiny_ta
     engine = SpeculativeEngine(tiny_target, drafter, rule="greedy")
     prompt = prompts(tiny_target)[0]
     assert engine.generate(prompt, MAX_NEW).tokens == target_only_generate(tiny_target, prompt, MAX_NEW).tokens
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 1), (3, 3)])  # 3, 4 (3 + 1) and 1 query heads per kv head
+def test_attention_of_every_group_size_equals_transformers(tiny_target, kernel, heads, kv_heads):
+    """A random Llama with SmolLM2's group of 3 query heads per kv head (and 4, and none shared):
+    a prefill, then passes of 1..9 new tokens over it, logits as transformers computes them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(heads * 10 + kv_heads)
+    config = LlamaConfig(vocab_size=96, hidden_size=64 * heads // 2, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
+                         max_position_embeddings=128, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).float().eval()
+    target = Target(model, tiny_target.tokenizer, f"random-llama-{heads}-{kv_heads}")
+    fast = StepTarget(target, (), 128, KernelGemm(kernel), kernel)
+    ids = torch.randint(0, 96, (1, 60))
+    ref = target.forward(ids[:, :41], use_cache=True)
+    out = fast.forward(ids[:, :41], use_cache=True)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
+    for count in (1, 2, 5, 9):
+        r = target.forward(ids[:, 41:41 + count], cache=ref.cache, use_cache=True)
+        o = fast.forward(ids[:, 41:41 + count], cache=out.cache, use_cache=True)
+        torch.testing.assert_close(o.logits, r.logits, rtol=1e-4, atol=1e-4)
+        crop_cache(ref.cache, 41), crop_cache(out.cache, 41)
