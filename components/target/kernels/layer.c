@@ -14,10 +14,9 @@
  *
  * The weights come packed in panels of 16 rows, each product's in its own format (`formats`:
  * float32 panels, rows_gemm.c; or the checkpoint's Q4_1 / Q8_0 blocks, rows_gemm_blocks.c; on AVX-512 CPUs
- * rows_gemm_512.c's); attention runs one (kv head, token) per OpenMP iteration, its query heads
- * together (each key and value row read once for them), its exponentials (and SiLU's) by a
- * vectorized expf within 2 ulp. Same arithmetic as the torch path in float32, summed in another
- * order.
+ * rows_gemm_512.c's); attention runs one (head, token) per OpenMP iteration, 8 keys at a time,
+ * its exponentials (and SiLU's) by a vectorized expf within 2 ulp. Same arithmetic as the torch
+ * path in float32, summed in another order.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -89,71 +88,31 @@ static inline __m256 exp8(__m256 x) {
 
 static inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
 
-/* The 4 sums of a[0..3]'s lanes, in order. */
-static inline __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* [s0..s3 of lanes 0-3 | of 4-7] */
-    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+/* s[j] = q · keys[j] * scale for 8 keys (rows of [.., d], d % 8 == 0): one accumulator per key,
+ * the q chunk loaded once per 8 dims, then the 8 sums taken across lanes together. */
+static inline void scores8(const float *q, const float *keys, int64_t d, float scale, float *s) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 qi = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys + j * d + i), a[j]);
+    }
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* [s0..s3 of lanes 0-3 | of lanes 4-7], .. */
+    __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(s, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
 }
 
-/* Attention of G (1..3) query heads that share one kv head, G fixed per function so that its
- * accumulators stay in registers: q [G][d] at stride qs, keys/values ks/vs [n, d], d % 8 == 0 →
- * out [G][d] at stride os; sc: G rows of `span` floats of scratch. Each key and value row is read
- * once for the G heads: 4 keys at a time into G x 4 score accumulators, then per head a softmax
- * (exp8), then the values 32 dims at a time into G x 4 accumulators. */
-#define ATTEND(G)                                                                               \
-    static void attend_##G(const float *q, int64_t qs, const float *ks, const float *vs, int64_t n, \
-                           int64_t d, float scale, float *sc, int64_t span, float *out, int64_t os) { \
-        int64_t j = 0;                                                                          \
-        for (; j + 4 <= n; j += 4) {                                                            \
-            __m256 a[G][4];                                                                     \
-            for (int h = 0; h < G; h++)                                                         \
-                for (int c = 0; c < 4; c++) a[h][c] = _mm256_setzero_ps();                      \
-            for (int64_t i = 0; i < d; i += 8) {                                                \
-                __m256 k0 = _mm256_loadu_ps(ks + j * d + i), k1 = _mm256_loadu_ps(ks + (j + 1) * d + i); \
-                __m256 k2 = _mm256_loadu_ps(ks + (j + 2) * d + i), k3 = _mm256_loadu_ps(ks + (j + 3) * d + i); \
-                for (int h = 0; h < G; h++) {                                                   \
-                    __m256 qi = _mm256_loadu_ps(q + h * qs + i);                                \
-                    a[h][0] = _mm256_fmadd_ps(qi, k0, a[h][0]);                                 \
-                    a[h][1] = _mm256_fmadd_ps(qi, k1, a[h][1]);                                 \
-                    a[h][2] = _mm256_fmadd_ps(qi, k2, a[h][2]);                                 \
-                    a[h][3] = _mm256_fmadd_ps(qi, k3, a[h][3]);                                 \
-                }                                                                               \
-            }                                                                                   \
-            for (int h = 0; h < G; h++)                                                         \
-                _mm_storeu_ps(sc + h * span + j, _mm_mul_ps(sums4(a[h][0], a[h][1], a[h][2], a[h][3]), _mm_set1_ps(scale))); \
-        }                                                                                       \
-        for (; j < n; j++)                                                                      \
-            for (int h = 0; h < G; h++) sc[h * span + j] = dot(q + h * qs, ks + j * d, d) * scale; \
-        float inv[G];                                                                           \
-        for (int h = 0; h < G; h++) inv[h] = softmax(sc + h * span, n);                         \
-        for (int64_t i = 0; i < d; i += 32) {                                                   \
-            int chunks = d - i < 32 ? (int)(d - i) / 8 : 4;                                     \
-            __m256 a[G][4];                                                                     \
-            for (int h = 0; h < G; h++)                                                         \
-                for (int c = 0; c < 4; c++) a[h][c] = _mm256_setzero_ps();                      \
-            for (j = 0; j < n; j++) {                                                           \
-                const float *v = vs + j * d + i;                                                \
-                if (chunks == 4)                                                                \
-                    for (int h = 0; h < G; h++) {                                               \
-                        __m256 p = _mm256_set1_ps(sc[h * span + j]);                            \
-                        for (int c = 0; c < 4; c++) a[h][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[h][c]); \
-                    }                                                                           \
-                else                                                                            \
-                    for (int h = 0; h < G; h++) {                                               \
-                        __m256 p = _mm256_set1_ps(sc[h * span + j]);                            \
-                        for (int c = 0; c < chunks; c++) a[h][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[h][c]); \
-                    }                                                                           \
-            }                                                                                   \
-            for (int h = 0; h < G; h++)                                                         \
-                for (int c = 0; c < chunks; c++)                                                \
-                    _mm256_storeu_ps(out + h * os + i + 8 * c, _mm256_mul_ps(a[h][c], _mm256_set1_ps(inv[h]))); \
-        }                                                                                       \
-    }
-
-/* sc[0..n) ← e^(sc - max), returns 1 / their sum */
-static inline float softmax(float *sc, int64_t n) {
+/* One query q [d] over keys/values ks/vs [n, d] → out [d] = softmax(q kᵀ scale) v; sc: n floats
+ * of scratch. Vectorized for d % 8 == 0 (8 keys a time, exp8, the values summed 64 dims at a time). */
+static void attend(const float *q, const float *ks, const float *vs, int64_t n, int64_t d, float scale,
+                   float *sc, float *out) {
+    int64_t j = 0;
+    if (d % 8 == 0)
+        for (; j + 8 <= n; j += 8) scores8(q, ks + j * d, d, scale, sc + j);
+    for (; j < n; j++) sc[j] = dot(q, ks + j * d, d) * scale;
     float top = -INFINITY, sum = 0.f;
-    int64_t j;
     for (j = 0; j < n; j++) top = sc[j] > top ? sc[j] : top;
     __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
     for (j = 0; j + 8 <= n; j += 8) {
@@ -162,23 +121,29 @@ static inline float softmax(float *sc, int64_t n) {
         total = _mm256_add_ps(total, e);
     }
     for (; j < n; j++) sum += (sc[j] = exp1(sc[j] - top));
-    return 1.f / (sum + hsum8(total));
-}
-
-ATTEND(1)
-ATTEND(2)
-ATTEND(3)
-
-/* One query q [d] over keys/values ks/vs [n, d] → out [d], any d (the scalar reference for head
- * sizes the vectorized attend_G does not take); sc: n floats of scratch. */
-static void attend_any(const float *q, const float *ks, const float *vs, int64_t n, int64_t d, float scale,
-                       float *sc, float *out) {
-    for (int64_t j = 0; j < n; j++) sc[j] = dot(q, ks + j * d, d) * scale;
-    float inv = softmax(sc, n);
-    memset(out, 0, sizeof(float) * d);
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t i = 0; i < d; i++) out[i] += sc[j] * vs[j * d + i];
-    for (int64_t i = 0; i < d; i++) out[i] *= inv;
+    sum += hsum8(total);
+    float inv = 1.f / sum;
+    if (d % 8 != 0) {
+        memset(out, 0, sizeof(float) * d);
+        for (j = 0; j < n; j++)
+            for (int64_t i = 0; i < d; i++) out[i] += sc[j] * vs[j * d + i];
+        for (int64_t i = 0; i < d; i++) out[i] *= inv;
+        return;
+    }
+    for (int64_t i0 = 0; i0 < d; i0 += 64) { /* 64 dims at a time in 8 registers, the value rows streamed in order */
+        int64_t width = d - i0 < 64 ? (d - i0) / 8 : 8;
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+        for (j = 0; j < n; j++) {
+            const float *v = vs + j * d + i0;
+            __m256 p = _mm256_set1_ps(sc[j]);
+            if (width == 8)
+                for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[c]);
+            else
+                for (int c = 0; c < width; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[c]);
+        }
+        for (int c = 0; c < width; c++) _mm256_storeu_ps(out + i0 + 8 * c, _mm256_mul_ps(a[c], _mm256_set1_ps(inv)));
+    }
 }
 
 /* rotate_half RoPE on one head vector v [d] at table row c/s [d] */
@@ -223,22 +188,12 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
             memcpy(vc + at, row + (hq + hkv + g) * d, sizeof(float) * d);
         }
     }
-    /* one (kv head, token, chunk of up to 3 of its query heads) per iteration: the chunk reads
-     * the kv head's keys and values once */
-    int64_t chunks = (group + 2) / 3;
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t it = 0; it < hkv * T * chunks; it++) {
-        int64_t g = it / (T * chunks), t = it / chunks % T, c = it % chunks, n = pos[t] + 1;
-        int64_t head = g * group + 3 * c, heads = group - 3 * c < 3 ? group - 3 * c : 3;
+    for (int64_t it = 0; it < hq * T; it++) {
+        int64_t head = it / T, t = it % T, n = pos[t] + 1;
         const float *q = qkv + t * width + head * d;
-        const float *ks = kc + (seq[t] * hkv + g) * S * d, *vs = vc + (seq[t] * hkv + g) * S * d;
-        float *sc = scores + (t * hq + head) * span, *out = att + t * hq * d + head * d;
-        if (d % 8 != 0)
-            for (int64_t h = 0; h < heads; h++)
-                attend_any(q + h * d, ks, vs, n, d, scale, sc + h * span, out + h * d);
-        else if (heads == 3) attend_3(q, d, ks, vs, n, d, scale, sc, span, out, d);
-        else if (heads == 2) attend_2(q, d, ks, vs, n, d, scale, sc, span, out, d);
-        else attend_1(q, d, ks, vs, n, d, scale, sc, span, out, d);
+        const float *ks = kc + (seq[t] * hkv + head / group) * S * d, *vs = vc + (seq[t] * hkv + head / group) * S * d;
+        attend(q, ks, vs, n, d, scale, scores + it * span, att + t * hq * d + head * d);
     }
     gemm(formats[1], att, wo, tmp, T, hq * d, H, threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
