@@ -22,8 +22,8 @@
 
 #define NR 16 /* weight rows per panel: one zmm */
 #define MR 16 /* input rows per block */
-#ifndef PDB
-#define PDB 2 /* records prefetched ahead */
+#ifndef AHEAD
+#define AHEAD 6144 /* bytes prefetched ahead of the record in use (16 Q4_1 records; bench/target_step.py) */
 #endif
 
 /* One record = 32 k of a panel. Per format: its bytes; SCALES(b) declares what a record
@@ -72,8 +72,8 @@ static inline void put(float *y, int64_t cols, __m512 v) {
             const uint8_t *b = p + g * F##_BYTES;                                               \
             F##_SCALES(b)                                                                       \
             _Pragma("GCC unroll 4") for (int kk = 0; kk < 32; kk += 8) {                        \
-                _Pragma("GCC unroll 8") for (int l_ = 0; l_ < F##_BYTES / 4; l_ += 64) /* this quarter, PDB ahead */ \
-                    _mm_prefetch((const char *)b + PDB * F##_BYTES + kk * (F##_BYTES / 32) + l_, _MM_HINT_T0); \
+                _Pragma("GCC unroll 8") for (int l_ = 0; l_ < F##_BYTES / 4; l_ += 64) /* this quarter, AHEAD on */ \
+                    _mm_prefetch((const char *)b + AHEAD + kk * (F##_BYTES / 32) + l_, _MM_HINT_T0); \
                 __m512 w[8];                                                                    \
                 F##_LINES(b, kk, w)                                                             \
                 const float *xk = x + g * 32 + kk;                                              \
