@@ -70,7 +70,7 @@ def num_drafts_for(cap: int, remaining: int) -> int:
 def prefill(target: Any, drafter: EngineDrafter, settings: EngineSettings, rule: Rule, prompt: Tensor,
             rnd: RoundRandomness) -> SequenceState:
     """prompt [1, P] → the sequence after the first new token (sampled from the prefill)."""
-    out = target.forward(prompt, layer_ids=list(drafter.layer_ids), use_cache=True)
+    out = target.forward(prompt, layer_ids=list(drafter.layer_ids), use_cache=True, last_logits=True)
     p = prompt.shape[1]
     first = rule.sample_target(out.logits[:, -1:], positions(p, 1, prompt.device), rnd)[:, 0]
     state = drafter.consume(drafter.init_state(1), prompt, out.hidden)

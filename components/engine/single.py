@@ -99,7 +99,7 @@ def target_only_generate(target: Any, prompt_ids: list[int], max_new_tokens: int
     chooser, rnd = get_rule(rule), new_randomness(sampling, seed, dev)
     clock = time.perf_counter()
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
-    out = target.forward(ids, use_cache=True)
+    out = target.forward(ids, use_cache=True, last_logits=True)
     cache = preallocate(out.cache) if preallocate_cache else out.cache
     res = GenerationResult([], target_forwards=1)
     pos = len(prompt_ids)

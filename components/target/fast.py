@@ -22,6 +22,7 @@ and the kernel's loader; nothing about drafters or engines.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -155,11 +156,13 @@ class StepTarget(Target):
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, layer_ids: Sequence[int] = (),
-                cache: Any = None, use_cache: bool = False, position_ids: Tensor | None = None) -> TargetOutput:
+                cache: Any = None, use_cache: bool = False, position_ids: Tensor | None = None,
+                last_logits: bool = False) -> TargetOutput:
         if isinstance(cache, SlotCache):  # the batch engine's round; its positions are the slots'
-            return self._forward_slots(input_ids, cache, layer_ids)
+            out = self._forward_slots(input_ids, cache, layer_ids)
+            return dataclasses.replace(out, logits=out.logits[:, -1:]) if last_logits else out
         if not self.serves(input_ids, attention_mask, layer_ids, cache, position_ids):
-            return super().forward(input_ids, attention_mask, layer_ids, cache, use_cache, position_ids)
+            return super().forward(input_ids, attention_mask, layer_ids, cache, use_cache, position_ids, last_logits)
         if cache is None:
             cache = self.new_cache()
         count, start = input_ids.shape[1], cache.length
@@ -168,7 +171,7 @@ class StepTarget(Target):
                               f"{self.capacity} cache slots; raise target.static_len (or set target.step: hf)")
         pos = torch.arange(start, start + count, device=input_ids.device).unsqueeze(0)  # [1, T]
         logits, taps, last = self.decoder(input_ids, pos, start, causal_mask(start, count, input_ids.device),
-                                          cache.k, cache.v)
+                                          cache.k, cache.v, last_only=last_logits)
         cache.length = start + count
         return TargetOutput(logits, self._pick(taps, layer_ids), last, cache)
 

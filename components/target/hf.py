@@ -122,6 +122,7 @@ class Target:
         # transformers 5.x names the KV-cache argument ``cache``; 4.x ``past_key_values``
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keeps_logits = "logits_to_keep" in params  # the model computes only the last positions' logits
 
     @property
     def num_layers(self) -> int:
@@ -176,10 +177,13 @@ class Target:
     @torch.no_grad()
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 layer_ids: Sequence[int] = (), cache: Any = None,
-                use_cache: bool = False, position_ids: Tensor | None = None) -> TargetOutput:
+                use_cache: bool = False, position_ids: Tensor | None = None,
+                last_logits: bool = False) -> TargetOutput:
         """One forward over ``input_ids`` [B, T], capturing the outputs of ``layer_ids``.
 
         ``cache`` continues from an earlier call's ``TargetOutput.cache`` (positions follow it).
+        ``last_logits``: logits of the last position only, [B, 1, V] (a prefill's: the LM head
+        over every prompt position is a large share of a long prompt's arithmetic).
         """
         wanted = self.check_layer_ids(layer_ids)
         captured: dict[int, Tensor] = {}
@@ -189,6 +193,8 @@ class Target:
         ]
         try:
             kwargs = {self._cache_kw: cache} if cache is not None else {}
+            if last_logits and self._keeps_logits:
+                kwargs["logits_to_keep"] = 1
             out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                              position_ids=position_ids, use_cache=use_cache or cache is not None,
                              **kwargs)
@@ -197,7 +203,7 @@ class Target:
                 h.remove()
         hidden = torch.stack([captured[i] for i in wanted], dim=2) if wanted else None
         new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        return TargetOutput(out.logits, hidden, captured[self.num_layers - 1],
+        return TargetOutput(out.logits[:, -1:] if last_logits else out.logits, hidden, captured[self.num_layers - 1],
                             new_cache if use_cache or cache is not None else None)
 
     __call__ = forward

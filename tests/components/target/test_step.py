@@ -219,3 +219,14 @@ def test_attention_of_every_group_size_equals_transformers(tiny_target, kernel, 
         o = fast.forward(ids[:, 41:41 + count], cache=out.cache, use_cache=True)
         torch.testing.assert_close(o.logits, r.logits, rtol=1e-4, atol=1e-4)
         crop_cache(ref.cache, 41), crop_cache(out.cache, 41)
+
+
+def test_last_logits_are_the_last_row_of_the_full_pass(tiny_target, fast):
+    """A prefill asks for its last position's logits only (both targets), and they are the full
+    pass's last row."""
+    ids = torch.tensor([prompts(tiny_target)[0]], dtype=torch.long)[:, :20]
+    for target in (tiny_target, fast):
+        full, last = target.forward(ids, use_cache=True), target.forward(ids, use_cache=True, last_logits=True)
+        assert last.logits.shape == (1, 1, full.logits.shape[-1])
+        torch.testing.assert_close(last.logits, full.logits[:, -1:], rtol=1e-5, atol=1e-5)
+        assert last.cache.get_seq_length() == ids.shape[1]
