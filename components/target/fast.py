@@ -107,7 +107,9 @@ class StepTarget(Target):
     def forward_kind(self) -> str:
         weights = "" if self.weight_formats == ("f32",) else f", {'/'.join(self.weight_formats)} blocks"
         kernels = self.decoder.kernels
-        return f"fast step, {f'kernel {kernels.isa}' if kernels is not None else 'torch'}{weights}, {self.capacity} slots"
+        # the kernel's build (ISA and source hash) too: a changed kernel re-measures round profiles
+        built = f"kernel {kernels.path.stem.removeprefix('rows_gemm-')}" if kernels is not None else "torch"
+        return f"fast step, {built}{weights}, {self.capacity} slots"
 
     def slot_pool(self, rows: int) -> SlotPool:
         """A slab of ``rows`` sequences of ``capacity`` slots each, for the batch engine."""
