@@ -274,20 +274,35 @@ void rows_gemm_packed(const float *x, const float *p, float *y, int64_t M, int64
     }
 }
 
-/* The FMA units' rate, for benchmarks: n iterations of 12 independent ymm FMA chains on each of
- * `threads` threads; returns the FLOPs done (out: a sum, so the work is not optimized away). */
+#endif
+
+/* The FMA units' rate, for benchmarks: n iterations of 12 independent FMA chains of the build's
+ * widest vectors (16 floats with ROWS_GEMM_AVX512, else 8) on each of `threads` threads; returns
+ * the FLOPs done (out: a sum, so the work is not optimized away). */
+#ifdef ROWS_GEMM_AVX512
+#define PEAK_LANES 16
+#define PEAK_VEC __m512
+#define PEAK_SET _mm512_set1_ps
+#define PEAK_FMA _mm512_fmadd_ps
+#define PEAK_FIRST _mm512_cvtss_f32
+#else
+#define PEAK_LANES 8
+#define PEAK_VEC __m256
+#define PEAK_SET _mm256_set1_ps
+#define PEAK_FMA _mm256_fmadd_ps
+#define PEAK_FIRST _mm256_cvtss_f32
+#endif
 double fma_peak(int64_t n, int threads, float *out) {
     #pragma omp parallel num_threads(threads)
     {
-        __m256 a[12], b = _mm256_set1_ps(0.5f);
-        for (int j = 0; j < 12; j++) a[j] = _mm256_set1_ps((float)j);
+        PEAK_VEC a[12], b = PEAK_SET(0.5f);
+        for (int j = 0; j < 12; j++) a[j] = PEAK_SET((float)j);
         for (int64_t i = 0; i < n; i++)
-            _Pragma("GCC unroll 12") for (int j = 0; j < 12; j++) a[j] = _mm256_fmadd_ps(a[j], b, b);
+            _Pragma("GCC unroll 12") for (int j = 0; j < 12; j++) a[j] = PEAK_FMA(a[j], b, b);
         float s = 0;
-        for (int j = 0; j < 12; j++) s += _mm256_cvtss_f32(a[j]);
+        for (int j = 0; j < 12; j++) s += PEAK_FIRST(a[j]);
         #pragma omp atomic
         *out += s;
     }
-    return (double)n * 12 * 16 * threads;
+    return (double)n * 12 * 2 * PEAK_LANES * threads;
 }
-#endif

@@ -128,21 +128,4 @@ static inline void put(float *y, int64_t cols, __m512 v) {
 GEMM(f32, rows_gemm_packed, K * NR * 4)
 GEMM(q41, rows_gemm_q41, (K >> 5) * q41_BYTES)
 GEMM(q80, rows_gemm_q80, (K >> 5) * q80_BYTES)
-
-/* The FMA units' rate, for benchmarks: n iterations of 12 independent zmm FMA chains on each of
- * `threads` threads; returns the FLOPs done (out: a sum, so the work is not optimized away). */
-double fma_peak(int64_t n, int threads, float *out) {
-    #pragma omp parallel num_threads(threads)
-    {
-        __m512 a[12], b = _mm512_set1_ps(0.5f);
-        for (int j = 0; j < 12; j++) a[j] = _mm512_set1_ps((float)j);
-        for (int64_t i = 0; i < n; i++)
-            _Pragma("GCC unroll 12") for (int j = 0; j < 12; j++) a[j] = _mm512_fmadd_ps(a[j], b, b);
-        float s = 0;
-        for (int j = 0; j < 12; j++) s += _mm512_cvtss_f32(a[j]);
-        #pragma omp atomic
-        *out += s;
-    }
-    return (double)n * 12 * 32 * threads;
-}
 #endif

@@ -230,3 +230,11 @@ def test_last_logits_are_the_last_row_of_the_full_pass(tiny_target, fast):
         assert last.logits.shape == (1, 1, full.logits.shape[-1])
         torch.testing.assert_close(last.logits, full.logits[:, -1:], rtol=1e-5, atol=1e-5)
         assert last.cache.get_seq_length() == ids.shape[1]
+
+
+@needs_kernel
+def test_fma_rate_is_a_rate_of_the_builds_width(kernel):
+    """The benchmark's arithmetic ceiling: FLOPs per second of the build's vector FMAs, more with
+    16-float vectors than the AVX2 build's 8 would allow at the same instruction rate."""
+    rate = kernel.fma_rate(1, seconds=0.02)
+    assert 1 < rate < 10_000  # GFLOP/s of one core
