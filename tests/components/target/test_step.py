@@ -234,7 +234,7 @@ def test_last_logits_are_the_last_row_of_the_full_pass(tiny_target, fast):
 
 @needs_kernel
 def test_fma_rate_is_a_rate_of_the_builds_width(kernel):
-    """The benchmark's arithmetic ceiling: FLOPs per second of the build's vector FMAs, more with
-    16-float vectors than the AVX2 build's 8 would allow at the same instruction rate."""
+    """The benchmark's arithmetic ceiling: GFLOP/s of the build's vector FMAs on one thread, a
+    figure a CPU core can have (not a count of calls or of seconds)."""
     rate = kernel.fma_rate(1, seconds=0.02)
     assert 1 < rate < 10_000  # GFLOP/s of one core
