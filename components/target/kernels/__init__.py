@@ -179,31 +179,33 @@ class RowsGemm:
         ``weights``: ``step._Layer`` with its products' weights packed; cos/sin [S, d]."""
         if not (k.is_contiguous() and v.is_contiguous() and seq.dtype == pos.dtype == torch.int64):
             raise KernelUnavailable("RowsGemm.layer takes a contiguous slab and int64 seq/pos")
-        # the layer's own arguments, fixed per weights and pass length (up to BLOCK_ROWS rows or
-        # more), kept on the weights object: a decode step makes 30 of these calls
+        # the packed products' arguments, fixed per weights and pass length (up to BLOCK_ROWS rows
+        # or more), kept on the weights object: a decode step makes 30 of these calls. The norms
+        # are the model's own parameters, whose storage may change (``model.to``): read each call.
         cache = weights.__dict__.setdefault("_kernel_args", {})
         fixed = cache.get(x.shape[0] > BLOCK_ROWS)
         if fixed is None:
-            fixed = cache[x.shape[0] > BLOCK_ROWS] = self._layer_args(x.shape[0], shape, weights)
-        head, tail = fixed
-        self._layer(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), *head,
-                    k.data_ptr(), v.data_ptr(), k.shape[2], cos.data_ptr(), sin.data_ptr(),
-                    threads or torch.get_num_threads(), tail)
+            fixed = cache[x.shape[0] > BLOCK_ROWS] = self._products(x.shape[0], weights)
+        (qkv, o, gate_up, down), formats = fixed
+        w = weights
+
+        def ptr(t: Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+        self._layer(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads, shape.kv_heads,
+                    shape.head_dim, w.down.shape[1], shape.eps, ptr(w.norm1), qkv, ptr(w.q_norm), ptr(w.k_norm), o,
+                    ptr(w.norm2), gate_up, down, k.data_ptr(), v.data_ptr(), k.shape[2], cos.data_ptr(), sin.data_ptr(),
+                    threads or torch.get_num_threads(), formats)
 
     @staticmethod
-    def _layer_args(rows: int, shape: Any, w: Any) -> tuple[tuple[Any, ...], Any]:
-        """``llama_layer``'s arguments that depend only on the layer and the pass length."""
+    def _products(rows: int, w: Any) -> tuple[tuple[int, ...], Any]:
+        """(the panels' addresses of qkv, o, gate|up, down, their formats) for a pass of ``rows``
+        rows: the layer's packed copies, which live as long as ``w``."""
         products = (w.qkv, w.o, w.gate_up, w.down)
         if not all(isinstance(p, PackedWeight) for p in products):
             raise KernelUnavailable("RowsGemm.layer takes packed weights (RowsGemm.pack)")
         products = tuple(p.for_rows(rows) for p in products)
-
-        def ptr(t: Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
         formats = (ctypes.c_int32 * 4)(*(FORMATS.index(p.format) for p in products))
-        return ((shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, w.down.shape[1], shape.eps, ptr(w.norm1),
-                 ptr(products[0].panels), ptr(w.q_norm), ptr(w.k_norm), ptr(products[1].panels), ptr(w.norm2),
-                 ptr(products[2].panels), ptr(products[3].panels)), formats)
+        return tuple(p.panels.data_ptr() for p in products), formats
 
     @staticmethod
     def _check(*tensors: Tensor) -> None:

@@ -219,6 +219,10 @@ def test_attention_of_every_group_size_equals_transformers(tiny_target, kernel, 
         o = fast.forward(ids[:, 41:41 + count], cache=out.cache, use_cache=True)
         torch.testing.assert_close(o.logits, r.logits, rtol=1e-4, atol=1e-4)
         crop_cache(ref.cache, 41), crop_cache(out.cache, 41)
+    model.double().float()  # the parameters' storage moves (the norms the kernel reads are the model's own)
+    again = fast.forward(ids[:, 41:42], cache=out.cache, use_cache=True)
+    torch.testing.assert_close(again.logits, target.forward(ids[:, 41:42], cache=ref.cache, use_cache=True).logits,
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_last_logits_are_the_last_row_of_the_full_pass(tiny_target, fast):
