@@ -107,6 +107,11 @@ class TargetConfig:
     # block-quantized (the embedded SmolLM2's GGUF: Q4_1, Q8_0), decoded exactly in the kernel,
     # each weight checked to reproduce the float32 one bit for bit (else float32 for it); float32.
     step_weights: str = "auto"
+    # What the fast step reads of a drafter's own products (its layers, fusion and draft head;
+    # the target's parts it shares are the target's): q8_0 = blocks of 32 int8 weights and a
+    # scale, quantized at load (a quarter of the bytes; drafts may change, output cannot: the
+    # target verifies them); float32; auto = q8_0 where the fast step runs.
+    draft_weights: str = "auto"
     static_len: int = 2048  # slots of the fast step's KV cache: the longest prompt + generation it serves
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
     prompts: PromptBankConfig = field(default_factory=PromptBankConfig)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from components.config import TINY_TARGET, TargetConfig
 from components.engine.cache.slots import SlotCache, SlotPool
-from components.target.blocks import BlockIndex
+from components.target.blocks import BLOCK, BlockIndex, quantize_q8_0
 from components.target.hf import Target, TargetError, TargetOutput
 from components.target.kernels import (
     KernelUnavailable,
@@ -268,6 +268,9 @@ class StreamingLinear(torch.nn.Linear):
         return super().forward(x)
 
 
+DRAFT_WEIGHTS = ("auto", "q8_0", "float32")
+
+
 def stream_linears(target: Target, cfg: TargetConfig, lines: Callable[[str], None] | None = None,
                    modules: Sequence[torch.nn.Module] | None = None, keep_target: bool = False) -> int:
     """Where ``target.step`` chose the fast step: every bias-free linear layer of ``modules``
@@ -275,18 +278,27 @@ def stream_linears(target: Target, cfg: TargetConfig, lines: Callable[[str], Non
     engine that serves, the data stage's rollouts; also a drafter) becomes a ``StreamingLinear``,
     its weight packed beside it (a copy); the number changed (0 where not chosen). In place.
     ``keep_target``: leave the target model's own layers as they are, even where ``modules``
-    share them (a drafter reading the target's head)."""
+    share them (a drafter reading the target's head), and pack the others as
+    ``target.draft_weights`` says (Q8_0 blocks, quantized here, or float32 panels): they are a
+    drafter's, whose products need not be exact. The target's own are packed as float32."""
+    if cfg.draft_weights not in DRAFT_WEIGHTS:
+        raise TargetError(f"target.draft_weights: '{cfg.draft_weights}' is not one of {list(DRAFT_WEIGHTS)}")
     kernel, why = wanted_kernel(target, cfg)
     changed, kept = 0, {id(m) for m in target.model.modules()} if keep_target else set()
+    quantize = keep_target and cfg.draft_weights != "float32"
     for root in (modules if modules is not None else [target.model]) if kernel is not None else ():
         for module in root.modules():
             if (type(module) is torch.nn.Linear and module.bias is None and module.weight.dtype == torch.float32
                     and id(module) not in kept):
+                w = module.weight.detach()
+                blocks = quantize_q8_0(w) if quantize and w.shape[1] % BLOCK == 0 else None
                 module.__class__ = StreamingLinear
-                module.kernel, module.packed = kernel, kernel.pack(module.weight.detach())
+                module.kernel = kernel
+                module.packed = kernel.pack_blocks(blocks, w) if blocks is not None else kernel.pack(w)
                 changed += 1
     if lines:
-        lines(f"linears: {changed} streamed by the kernel" if changed else f"linears: torch's ({why})")
+        how = "as q8_0 blocks" if quantize else "as float32"
+        lines(f"linears: {changed} streamed by the kernel {how}" if changed else f"linears: torch's ({why})")
     return changed
 
 

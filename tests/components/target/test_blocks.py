@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from components.engine import SpeculativeEngine, SuffixDrafter, target_only_generate
-from components.target.blocks import BlockIndex, Blocks, gguf_tensors, pack_panels, read_gguf
+from components.target.blocks import BlockIndex, Blocks, gguf_tensors, pack_panels, quantize_q8_0, read_gguf
 from components.target.fast import StepTarget, step_target
 from components.target.hf import TargetError
 from components.target.kernels import BLOCK_ROWS, RowsGemm, isas, why_unavailable
@@ -139,6 +139,23 @@ def test_block_products_equal_the_float32_kernels(tmp_path_factory, isa, fmt, k)
                 torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-4)
                 if rows > BLOCK_ROWS:  # longer passes read the float32 panels
                     assert torch.equal(kernel.linear(x, packed, threads), want)
+
+
+def test_quantize_q8_0_rounds_each_weight_to_its_blocks_grid(weights):
+    """Every weight within half a step (d / 2) of its decoded value, the block's largest exact;
+    an all-zero block decodes to zeros; as close to the weight as gguf's own Q8_0."""
+    w = torch.from_numpy(weights["e"]).float()  # blocks of zeros among the others
+    blocks = quantize_q8_0(w)
+    assert blocks.format == "q8_0" and blocks.q.dtype == torch.int8 and blocks.d.shape == (50, 2)
+    err = (blocks.dequantize() - w).abs().view(50, 2, 32)
+    assert bool((err <= blocks.d[..., None] / 2 * (1 + 1e-5)).all())
+    top = w.abs().view(50, 2, 32).argmax(-1, keepdim=True)
+    assert float(err.gather(-1, top).max()) <= 1e-6
+    assert bool((blocks.dequantize()[w == 0] == 0).all())
+    ref = (as_stored(weights["e"], "q8_0") - w).abs().max()
+    assert float(err.max()) <= float(ref) * 1.01
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(w[:, :40])
 
 
 def _blocks_of(w: torch.Tensor, fmt: str) -> Blocks:

@@ -190,10 +190,28 @@ def test_a_drafters_linears_stream_and_the_targets_stay(tiny_target_cfg, tiny_ta
     cfg = dataclasses.replace(tiny_target_cfg, step="fast", cache_dir=str(tmp_path))
     assert stream_linears(tiny_target, cfg, modules=[drafter], keep_target=True) > 0
     assert not any(isinstance(m, StreamingLinear) for m in tiny_target.model.modules())
-    assert any(isinstance(m, StreamingLinear) for m in drafter.modules())
+    streamed = [m for m in drafter.modules() if isinstance(m, StreamingLinear)]
+    assert streamed and {m.packed.format for m in streamed} == {"q8_0"}  # draft_weights auto: quantized
     engine = SpeculativeEngine(tiny_target, drafter, rule="greedy")
     prompt = prompts(tiny_target)[0]
     assert engine.generate(prompt, MAX_NEW).tokens == target_only_generate(tiny_target, prompt, MAX_NEW).tokens
+
+
+def test_a_drafters_linears_stream_as_float32_when_asked(tiny_target_cfg, tiny_target, tmp_path):
+    from components.target.fast import StreamingLinear, stream_linears
+
+    if why_unavailable() is not None:
+        pytest.skip(f"kernel: {why_unavailable()}")
+    drafter = random_drafter(tiny_target, "dspark")
+    x = torch.randn(3, drafter.backbone.fc.in_features)
+    with torch.no_grad():
+        before = drafter.backbone.fc(x)
+        cfg = dataclasses.replace(tiny_target_cfg, step="fast", cache_dir=str(tmp_path), draft_weights="float32")
+        assert stream_linears(tiny_target, cfg, modules=[drafter], keep_target=True) > 0
+        assert {m.packed.format for m in drafter.modules() if isinstance(m, StreamingLinear)} == {"f32"}
+        torch.testing.assert_close(drafter.backbone.fc(x), before, rtol=1e-4, atol=1e-5)
+    with pytest.raises(TargetError, match="draft_weights"):
+        stream_linears(tiny_target, dataclasses.replace(cfg, draft_weights="int4"), modules=[drafter], keep_target=True)
 
 
 @needs_kernel
