@@ -350,8 +350,10 @@ class Drafter(nn.Module, ABC):
 
     def identity(self) -> str:
         """What measurements of this drafter (round profiles) are keyed by: its class and size,
-        the target's shared parts included."""
-        return f"{type(self).__name__}:{sum(p.numel() for p in self.parameters())}"
+        the target's shared parts included, and the formats its products are packed in where a
+        kernel streams them (``target.fast.stream_linears``: e.g. q8_0), which change its time."""
+        packed = sorted({m.packed.format for m in self.modules() if getattr(m, "packed", None) is not None})
+        return f"{type(self).__name__}:{sum(p.numel() for p in self.parameters())}" + "".join(f":{f}" for f in packed)
 
     def embed(self, ids: Tensor) -> Tensor:  # [B, ...] long target ids -> [B, ..., H]
         return self.shared.embed_tokens(ids)
