@@ -11,7 +11,9 @@ evaluated on the same held-out records (the train stage's split). A variant is `
 
 * ``fp32`` / ``bf16``: ``train.mixed_precision`` no / bf16 (autocast of the forward; master
   weights, optimizer state and gradients stay float32);
-* ``head``: ``drafter.init_from_target`` (the draft layers start as the target's last layers).
+* ``head``: ``drafter.init_from_target`` (the draft layers start as the target's last layers);
+* ``torchloss``: the default loss through torch ops (``train.loss_params.fused: false``) instead
+  of its fused CPU kernel (``components/losses/fused.py``).
 
 Reported per variant: seconds per step (median), supervised (response) tokens per second and per
 core-second (``--threads`` cores), the final training loss, and at every ``--eval-every`` steps
@@ -45,7 +47,7 @@ from components.training.heldout import evaluate_records, heldout_ids
 from components.training.padding import collate, supervised_tokens
 from components.training.step import build_train_loss, new_train_state, train_step
 
-FLAGS = {"fp32": {}, "bf16": {}, "head": {}}
+FLAGS = {"fp32": {}, "bf16": {}, "head": {}, "torchloss": {}}
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -64,8 +66,9 @@ def variant_cfg(cfg: Any, name: str) -> Any:
     parts = name.split("+")
     unknown = [p for p in parts if p not in FLAGS]
     if unknown or ("fp32" in parts and "bf16" in parts):
-        raise SystemExit(f"--variants: '{name}': parts are fp32 | bf16, optionally +head")
-    train = dataclasses.replace(cfg.train, mixed_precision="bf16" if "bf16" in parts else "no")
+        raise SystemExit(f"--variants: '{name}': parts are fp32 | bf16, optionally +head, +torchloss")
+    loss_params = {**cfg.train.loss_params, "fused": False} if "torchloss" in parts else cfg.train.loss_params
+    train = dataclasses.replace(cfg.train, mixed_precision="bf16" if "bf16" in parts else "no", loss_params=loss_params)
     drafter = dataclasses.replace(cfg.drafter, init_from_target="head" in parts)
     return dataclasses.replace(cfg, train=train, drafter=drafter)
 

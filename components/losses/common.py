@@ -143,14 +143,18 @@ def gather_tokens(
     valid: Tensor,  # [N, γ] bool
 ) -> Tensor:  # [N, γ]
     """log-probability of each position's token; invalid positions read token 0."""
+    return log_probs_.gather(-1, safe_tokens(tokens, valid).unsqueeze(-1)).squeeze(-1)
+
+
+def safe_tokens(tokens: Tensor | None, valid: Tensor) -> Tensor:  # [N, γ] -> [N, γ] long
+    """Each position's token, 0 at invalid positions (what ``gather_tokens`` reads)."""
     if tokens is None:
         raise ValueError("this loss needs target_tokens [N, γ]")
     if tuple(tokens.shape) != tuple(valid.shape):
         raise ValueError(
             f"target tokens {tuple(tokens.shape)} must be [N, γ] = {tuple(valid.shape)}"
         )
-    safe = torch.where(valid, tokens.to(device=valid.device, dtype=torch.long), 0)
-    return log_probs_.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, tokens.to(device=valid.device, dtype=torch.long), 0)
 
 
 def weight_matrix(

@@ -27,11 +27,13 @@ from components.losses.common import (
     check_logits,
     gather_tokens,
     position_mean,
+    safe_tokens,
     target_probs,
     upcast,
     valid_mask,
     weighted_mean,
 )
+from components.losses.fused import fused_available, fused_tv_ce
 from components.losses.overlap import overlap_tv
 
 
@@ -88,16 +90,24 @@ def tv_ce_confidence_loss(
     tv_weight: float = 0.9,
     confidence_weight: float = 1.0,
     tv_as_l1: bool = False,
+    fused: bool = True,
 ) -> LossOutput:
-    """w_ce·CE + w_tv·TV (or L1) + w_conf·BCE(c, sg[1 − TV]); see the module docstring."""
+    """w_ce·CE + w_tv·TV (or L1) + w_conf·BCE(c, sg[1 − TV]); see the module docstring.
+    ``fused``: α, TV and CE by one CPU kernel where it runs (``fused.py``; the same values)."""
     check_logits(target_logits, draft_logits, temperature)
-    logits = upcast(draft_logits)
-    alpha, tv = overlap_tv(target_probs(target_logits, temperature), logits)
-    mask = valid_mask(valid, tv)
+    if fused and fused_available(target_logits, draft_logits):  # one kernel for α, TV and log q(token)
+        mask = valid_mask(valid, draft_logits[..., 0])
+        tokens = safe_tokens(target_tokens, mask) if ce_weight else torch.zeros_like(mask, dtype=torch.long)
+        alpha, tv, log_q = fused_tv_ce(target_logits, draft_logits, tokens, temperature)
+        ce = -log_q
+    else:
+        logits = upcast(draft_logits)
+        alpha, tv = overlap_tv(target_probs(target_logits, temperature), logits)
+        mask = valid_mask(valid, tv)
+        ce = -gather_tokens(torch.log_softmax(logits, dim=-1), target_tokens, mask) if ce_weight else None
     term = (tv_weight * (2.0 if tv_as_l1 else 1.0)) * tv
     parts = {"tv": weighted_mean(tv.detach(), mask, weights)}
     if ce_weight:
-        ce = -gather_tokens(torch.log_softmax(logits, dim=-1), target_tokens, mask)
         term = term + ce_weight * ce
         parts["ce"] = weighted_mean(ce.detach(), mask, weights)
     if confidence_weight:

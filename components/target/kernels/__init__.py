@@ -37,13 +37,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("rows_gemm.c", "rows_gemm_blocks.c", "rows_gemm_512.c", "layer.c"))
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / name for name in ("rows_gemm.c", "rows_gemm_blocks.c", "rows_gemm_512.c", "layer.c"))
+HEADERS = (HERE / "vexp.h",)  # included by the sources (and by kernels elsewhere: -I this directory)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # per instruction set: the flags that add to FLAGS (avx512: rows_gemm_512.c's packed products in
 # place of the AVX2 ones); an AVX512 CPU (torch's name: AVX-512 F/BW/VL/DQ) can run either
@@ -74,6 +76,30 @@ def why_unavailable() -> str | None:
     if compiler() is None:
         return "no C compiler (gcc or $CC) to build it"
     return None
+
+
+def build_library(directory: Path, stem: str, sources: Sequence[Path], flags: Sequence[str]) -> Path:
+    """``sources`` compiled with ``flags`` into ``directory/<stem>-<key>.so``, once: the key hashes
+    the sources, the headers beside them (``HEADERS``) and the flags; written under a temporary
+    name and renamed, so an interrupted build leaves nothing. Sources may include those headers."""
+    text = b"".join(src.read_bytes() for src in [*sources, *HEADERS])
+    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    path = directory / f"{stem}-{key}.so"
+    if path.is_file():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler(), *flags, f"-I{HERE}", "-o", tmp, *map(str, sources)], check=False,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"building {[src.name for src in sources]} failed: {done.stderr.strip()[:500]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
 
 
 PANEL = 16  # weight rows per packed panel (NR in rows_gemm.c)
@@ -139,23 +165,7 @@ class RowsGemm:
         isa = isa or isas()[0]
         if isa not in isas():
             raise KernelUnavailable(f"the CPU offers {torch.backends.cpu.get_cpu_capability()}, not {isa}")
-        flags = FLAGS + ISA_FLAGS[isa]
-        source = b"".join(src.read_bytes() for src in SOURCES)
-        key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
-        path = directory / f"rows_gemm-{isa}-{key}.so"
-        if not path.is_file():
-            directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-            os.close(fd)
-            try:
-                done = subprocess.run([compiler(), *flags, "-o", tmp, *map(str, SOURCES)], check=False, capture_output=True,
-                                      text=True)
-                if done.returncode != 0:
-                    raise KernelUnavailable(f"building {[src.name for src in SOURCES]} failed: {done.stderr.strip()[:500]}")
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+        path = build_library(directory, f"rows_gemm-{isa}", SOURCES, FLAGS + ISA_FLAGS[isa])
         return cls(ctypes.CDLL(str(path)), path, isa)
 
     def fma_rate(self, threads: int = 1, seconds: float = 0.2) -> float:
