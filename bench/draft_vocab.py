@@ -6,7 +6,9 @@
 For each target it times, at a context of ``--context`` random tokens, one greedy ``propose`` of
 the drafter's default γ with the full vocabulary (the shared LM head, V rows) and with draft
 vocabularies of each fraction of V (``drafter.vocab``, DV rows), each also with the int8 readout
-head; and the target's own verification step (γ+1 tokens on a cached context) as the yardstick.
+head and, where the fast step's kernel runs, with the drafter's products streamed by it (float32
+panels, and Q8_0 blocks: ``target.draft_weights``); and the target's own verification step (γ+1
+tokens on a cached context, transformers' and the fast step's) as the yardstick.
 The variants are timed round-robin (one call each, ``--rounds`` times, after a warmup) so a
 shared machine's drift hits all alike; medians are printed: ms per round, the ratio of the
 full-vocabulary time to each row's, and the round's cost in target steps. Drafters are
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 import time
@@ -40,6 +43,7 @@ from components.drafters.registry import build_drafter
 from components.engine.core import crop_cache
 from components.spec.sampling import GREEDY
 from components.target import load_target
+from components.target.fast import step_target, stream_linears, wanted_kernel
 from components.target.tiny import tiny_target_dir
 
 SMALL = TinyTargetConfig(corpus_sources=["python_stdlib"], corpus_max_chars=400_000, heldout_fraction=0.1,
@@ -58,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--build", action="store_true", help="build the tiny target if it is not cached")
+    ap.add_argument("--no-kernel", action="store_true", help="leave out the kernel-streamed variants")
     return ap.parse_args()
 
 
@@ -109,8 +114,10 @@ def propose_call(drafter: Any, target: Any, ids: torch.Tensor) -> Any:
     return lambda: drafter.propose(state, ids[:, -1], GREEDY)
 
 
-def variants(name: str, target: Any, fractions: list[float]) -> dict[str, Any]:
-    """label -> drafter: the full vocabulary and each fraction, each also with an int8 head."""
+def variants(name: str, target: Any, fractions: list[float], kernel_cfg: TargetConfig | None = None) -> dict[str, Any]:
+    """label -> drafter: the full vocabulary and each fraction, each also with an int8 head and,
+    with ``kernel_cfg`` (the fast step chosen), its products streamed by the kernel from float32
+    panels and from Q8_0 blocks (``target.draft_weights``; the target's shared head stays torch's)."""
     v, tok = target.vocab_size, target.tokenizer
     counts = torch.arange(v, 0, -1).double()  # any ids: timing does not depend on which
     # block drafters need a mask token; a tokenizer without one (SmolLM2) lends another special
@@ -124,6 +131,11 @@ def variants(name: str, target: Any, fractions: list[float]) -> dict[str, Any]:
         label = f"{name} V={v}" if dv == v else f"{name} DV={dv} (1/{round(v / dv)})"
         out[label] = d
         out[f"{label} int8"] = int8_lm_head(copy.deepcopy(d))
+        for weights in ("float32", "q8_0") if kernel_cfg is not None else ():
+            streamed = copy.deepcopy(d)
+            stream_linears(target, dataclasses.replace(kernel_cfg, draft_weights=weights), modules=[streamed],
+                           keep_target=True)
+            out[f"{label} kernel {weights}"] = streamed
     return out
 
 
@@ -141,15 +153,23 @@ def bench_target(label: str, cfg: TargetConfig, args: argparse.Namespace) -> Non
           f"{target.num_layers} layers), context {args.context}, {torch.get_num_threads()} thread(s), "
           f"median of {args.rounds}")
     print(f"{'drafter':<34}{'γ':>3}{'ms/round':>10}{'full/this':>11}{'target steps':>14}")
+    kernel_cfg = dataclasses.replace(cfg, step="fast")
+    if args.no_kernel or wanted_kernel(target, kernel_cfg)[0] is None:
+        kernel_cfg = None
     for name in args.drafters.split(","):
-        drafters = variants(name, target, fractions)
+        drafters = variants(name, target, fractions, kernel_cfg)
         gamma = next(iter(drafters.values())).num_speculative_tokens
         calls = {k: propose_call(d, target, ids) for k, d in drafters.items()}
-        ms = round_robin_ms({**calls, "target": verify_call(target, ids, gamma)}, args.rounds)
-        full, step = ms[next(iter(calls))], ms["target"]
+        steps = {"target": verify_call(target, ids, gamma)}
+        if kernel_cfg is not None:  # the fast step the kernel variants would verify with
+            steps["fast"] = verify_call(step_target(target, kernel_cfg), ids, gamma)
+        ms = round_robin_ms({**calls, **steps}, args.rounds)
+        full, step = ms[next(iter(calls))], ms["fast" if "fast" in steps else "target"]
         for k in calls:
             print(f"{k:<34}{gamma:>3}{ms[k]:10.2f}{full / ms[k]:10.2f}x{ms[k] / step:13.2f}")
-        print(f"{'target verify step (γ+1 tokens)':<34}{gamma:>3}{step:10.2f}")
+        print(f"{'target verify step (γ+1 tokens)':<34}{gamma:>3}{ms['target']:10.2f}")
+        if "fast" in steps:
+            print(f"{'fast step verify (γ+1 tokens)':<34}{gamma:>3}{ms['fast']:10.2f}   (the steps column's yardstick)")
 
 
 def main() -> None:
