@@ -1,5 +1,5 @@
-"""What a training budget buys: DSpark trained on growing shares of the same rollouts, steps in
-proportion, each drafter measured offline and in the engine.
+"""What a training budget buys: a drafter (DSpark unless the config says another) trained on
+growing shares of the same rollouts, steps in proportion, each measured offline and in the engine.
 
     python bench/budget_curve.py --data runs/data --budgets 13000,27000,54000 [--epochs 7.4]
                                  [--threads 2 --out bench-budget-curve] [conf=dspark.yaml key=value ...]
@@ -19,6 +19,11 @@ checked token for token against plain decoding.
 Prints a table, writes ``<out>/curve.json``, ``<out>/curve.png`` and each drafter under
 ``<out>/<budget>/drafter``. A budget beyond the training split's tokens is refused with the
 number it holds. Nothing about τ is asserted.
+
+Any drafter the config names trains on rollouts that hold its taps (``conf=eagle3.yaml
+"drafter.layer_ids=[1,14,27]"`` on rollouts captured for DSpark at [1, 8, 14, 20, 27]): the
+records keep only the drafter's layers; a tap that was not captured is refused by name. Same
+data, budgets, epochs and seed give the same records and steps for every drafter.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from bench.train_step import heldout  # the held-out figures train_step.py reports, computed alike
 from components.confload import load_cli
-from components.data.records import Record
+from components.data.records import Record, select_layers
 from components.data.shards import load_manifest, read_records
 from components.drafters import build_drafter, with_draft_vocab
 from components.drafters.checkpoint import save_drafter
+from components.drafters.registry import resolve_layer_ids
 from components.target import load_target
 from components.tracking import Tracker
 from components.training.heldout import heldout_ids
@@ -143,7 +149,8 @@ def main(argv: list[str]) -> None:
     meta = load_manifest(Path(args.data))["meta"]
     cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, name_or_path=meta["target"]))
     target = load_target(cfg.target, progress=False)
-    records = list(read_records(Path(args.data)))
+    records = select_layers(list(read_records(Path(args.data))), meta["layer_ids"],
+                            resolve_layer_ids(cfg.drafter, target.num_layers))
     held_ids = heldout_ids([r.sample_id for r in records], cfg.train.eval_fraction, cfg.train.seed)
     train_all = [r for r in records if r.sample_id not in held_ids]
     train_all = [train_all[i] for i in np.random.default_rng(cfg.train.seed).permutation(len(train_all))]
@@ -151,8 +158,9 @@ def main(argv: list[str]) -> None:
     budgets = sorted(int(b) for b in args.budgets.split(","))
     subsets = {b: budget_records(train_all, b) for b in budgets}  # refuses before any training
     out = Path(args.out)
-    print(f"{len(train_all)} train records ({sum(len(r.input_ids) - r.prompt_len for r in train_all):,} response "
-          f"tokens) / {len(held)} held-out; budgets {budgets}; {args.epochs} epochs each; "
+    response = sum(len(r.input_ids) - r.prompt_len for r in train_all)
+    print(f"{cfg.drafter.name} ({cfg.train.loss}): {len(train_all)} train records ({response:,} response tokens)"
+          f" / {len(held)} held-out; budgets {budgets}; {args.epochs} epochs each; "
           f"{args.threads} thread(s); {cfg.train.mixed_precision} precision", flush=True)
     rows = []
     for b in budgets:

@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from components.config import DrafterConfig, TargetConfig, TrainConfig
-from components.data.records import Record, encode
+from components.data.records import Record, encode, select_layers
 from components.data.shards import load_manifest, read_records
 from components.drafters import build_drafter, with_draft_vocab
 from components.drafters.registry import resolve_layer_ids
@@ -110,12 +110,6 @@ def on_stored(cfg: DrafterConfig, target: Any, stored: list[int]) -> DrafterConf
 def response_counts(records: list[Record]) -> torch.Tensor:  # -> [max id + 1] int64
     """How often each token id is a response token (``input_ids[prompt_len:]``, the loss-masked ones)."""
     return torch.from_numpy(np.bincount(np.concatenate([r.input_ids[r.prompt_len:] for r in records]).astype(np.int64)))
-
-
-def with_layers(records: list[Record], stored: list[int], wanted: list[int]) -> list[Record]:
-    """Records keeping only the taps ``wanted`` (a subset of ``stored``), float storage only."""
-    idx = [stored.index(i) for i in wanted]
-    return [dataclasses.replace(r, hidden=r.hidden[:, idx]) for r in records]
 
 
 def as_int8(records: list[Record]) -> list[Record]:
@@ -187,7 +181,7 @@ def run_groups(args: argparse.Namespace, target: Any, train_set: list[Record], h
             cfg, loss = DRAFTERS[name]
             cfg = on_stored(sized(cfg, args), target, stored)
             wanted = resolve_layer_ids(cfg, target.num_layers)
-            offline(name, cfg, loss, with_layers(train_set, stored, wanted), with_layers(held, stored, wanted))
+            offline(name, cfg, loss, select_layers(train_set, stored, wanted), select_layers(held, stored, wanted))
     if "loss" in groups:
         for loss in ("lk_hybrid", "bv"):
             offline(f"dspark+{loss}", dspark, loss, train_set, held)

@@ -116,6 +116,22 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def select_layers(records: Sequence[Record], stored: Sequence[int], wanted: Sequence[int]) -> list[Record]:
+    """``records`` captured at ``stored`` keeping only the taps ``wanted``, in that order (rollouts
+    captured once for one drafter, read by another whose taps they hold). Raises naming the layers
+    that were not captured."""
+    missing = [i for i in wanted if i not in stored]
+    if missing:
+        raise RecordMismatchError(f"layers {missing} were not captured (the records hold {list(stored)}): "
+                                  "set drafter.layer_ids to captured layers or capture them in the data stage")
+    if list(wanted) == list(stored):
+        return list(records)
+    idx = [list(stored).index(i) for i in wanted]
+    return [dataclasses.replace(r, hidden=r.hidden[:, idx],
+                                hidden_scale=None if r.hidden_scale is None else r.hidden_scale[:, idx])
+            for r in records]
+
+
 # ----------------------------------------------------------------------------- compression
 def encode(x: np.ndarray, storage: str) -> tuple[np.ndarray, np.ndarray | None]:
     """float32 [..., H] → (stored [..., H], per-row scale [...] or None)."""

@@ -18,6 +18,7 @@ from components.data.records import (
     encode,
     record_bytes_per_token,
     records_to_table,
+    select_layers,
     split_rows,
     table_to_batch,
     table_to_records,
@@ -87,3 +88,19 @@ def test_meta_mismatch_names_every_field():
     with pytest.raises(RecordMismatchError, match=r"where: .*target is 'u', expected 't'; layer_ids is \(1,\)"):
         check_meta(other, META, "where")
     check_meta(META, RecordMeta.from_dict(META.to_dict()), "same")
+
+
+@pytest.mark.parametrize("storage", ["float16", "int8"])
+def test_select_layers_keeps_the_wanted_taps_in_order(storage):
+    recs = [_record(i, 6, storage) for i in range(2)]  # taps captured at layers [3, 7]
+    picked = select_layers(recs, [3, 7], [7])
+    for r, p in zip(recs, picked):
+        assert p.hidden.shape == (6, 1, 8)
+        np.testing.assert_array_equal(p.hidden_f32()[:, 0], r.hidden_f32()[:, 1])
+        np.testing.assert_array_equal(p.last_hidden, r.last_hidden)
+    assert select_layers(recs, [3, 7], [3, 7])[0].equals(recs[0])
+
+
+def test_select_layers_names_a_layer_not_captured():
+    with pytest.raises(RecordMismatchError, match=r"layers \[5\] were not captured"):
+        select_layers([_record(0, 4)], [3, 7], [3, 5])

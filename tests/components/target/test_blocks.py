@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from components.engine import SpeculativeEngine, SuffixDrafter, target_only_generate
-from components.target.blocks import BlockIndex, Blocks, gguf_tensors, pack_panels, quantize_q8_0, read_gguf
+from components.target.blocks import (
+    BlockIndex,
+    Blocks,
+    gguf_tensors,
+    pack_panels,
+    quantize_q8_0,
+    read_gguf,
+)
 from components.target.fast import StepTarget, step_target
 from components.target.hf import TargetError
 from components.target.kernels import BLOCK_ROWS, RowsGemm, isas, why_unavailable
