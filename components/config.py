@@ -260,7 +260,8 @@ class EvalConfig:
     """Stage ``eval``: τ, acceptance by position, tokens/s and speedup of every method in
     ``methods`` on the same held-out prompts, in the same process (components/evaluation/)."""
 
-    # target_only | drafter | drafter_dloop | drafter_tree (opt-in) | prompt_lookup | suffix, hybrid (opt-in; our engine) |
+    # target_only | drafter | drafter_dloop | drafter_tree (opt-in) | prompt_lookup | suffix, hybrid, suffix_adaptive,
+    # hybrid_adaptive (opt-in; our engine; *_adaptive: as the serve stage drafts) |
     # hf_generate | drafter_adaptive (as the serve stage drafts: adaptive cap, DLoop stages) | hf_prompt_lookup |
     # hf_assisted (transformers' generate, the peers) | vllm_* (vLLM, opt-in, see vllm_python
     # below). Speedups are against target_only.

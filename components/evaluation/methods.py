@@ -18,6 +18,8 @@ engines run the transformers forward:
 * ``hybrid``        -- the trained drafter and suffix decoding (``HybridDrafter``, opt-in): per round
   the suffix draft when its score clears ``eval.hybrid_suffix_threshold``, else the drafter's, at
   the ``drafter`` method's settings; learning the responses as ``suffix`` does.
+* ``suffix_adaptive``, ``hybrid_adaptive`` -- those two drafters as the serve stage serves them:
+  the batch engine under the adaptive cap (``drafter_adaptive``'s), learning as ``suffix`` does.
 
 Peers (transformers' ``generate`` on the same target object, see ``hf.py``):
 
@@ -130,22 +132,57 @@ def drafter_adaptive(ctx: EvalContext) -> MethodFn:
     up to γ·``eval.loop_stages`` drafts when the drafter drafts on its own states (DLoop stages,
     the cap deciding how many a round drafts); a cap of 0 is a plain round. The policy learns
     over the prompts in turn, as a server's does over its requests."""
-    ev, trained = ctx.ev, _trained(ctx, "drafter_adaptive")
-    stages = loop_stages_for(trained, ev.loop_stages)
-    settings = resolve_settings(trained, ev.num_speculative_tokens, stages, OPEN_GATE, ev.carryover)
-    engine, stored = adaptive_engine(ctx.chain_target, trained, settings, ev.profile_dir, 1, notice=_timing_notice)
-    ctx.notes["drafter_adaptive"] = {"num_speculative_tokens": settings.num_speculative_tokens,
-                                     "max_cap": settings.max_cap, "loop_stages": stages, "rule": ev.rule,
-                                     "round_profile": "stored" if stored.reused else "measured"}
+    return _adaptive(ctx, "drafter_adaptive", _trained(ctx, "drafter_adaptive"), ctx.ev.num_speculative_tokens)
 
-    def run(ids: list[int], n: int, seed: int) -> PromptRun:
-        request = Request(ids, n, ctx.sampling, seed, rule=ev.rule)
-        return _from_engine("drafter_adaptive", engine.generate([request])[0], drafting=True)
+
+def suffix_adaptive(ctx: EvalContext) -> MethodFn:
+    """Suffix decoding as ``serve.drafter=suffix`` serves it: the ``suffix`` method's drafter
+    (and its learning) in the batch engine under the adaptive cap (``drafter_adaptive``'s)."""
+    drafter, settings = _suffix_drafter(ctx)
+    run = _adaptive(ctx, "suffix_adaptive", drafter, None, learner=drafter)
+    ctx.notes["suffix_adaptive"] |= settings
     return run
 
 
-def _timing_notice(path: Any) -> None:
-    print(f"eval: drafter_adaptive: timing the engine's rounds at every draft cap (once per host) → {path}",
+def hybrid_adaptive(ctx: EvalContext) -> MethodFn:
+    """The ``hybrid`` method's drafter as ``serve.drafter=hybrid`` serves it: in the batch engine
+    under the adaptive cap, with DLoop stages (a suffix round drafts up to the cap along its
+    match, a model round up to the cap over the trained drafter's stages)."""
+    hybrid_drafter, notes = _hybrid_drafter(ctx, "hybrid_adaptive")
+    run = _adaptive(ctx, "hybrid_adaptive", hybrid_drafter, ctx.ev.num_speculative_tokens, learner=hybrid_drafter)
+    ctx.notes["hybrid_adaptive"] |= notes
+    return run
+
+
+def _adaptive(ctx: EvalContext, name: str, drafter: Any, gamma: int | None,
+              learner: SuffixDrafter | HybridDrafter | None = None) -> MethodFn:
+    """``drafter`` in the batch engine under the adaptive cap (batch 1, as served); a ``learner``
+    learns each response as ``_learning`` does (the engine itself does not: its responses would
+    carry no key, and a prompt run again would be drafted from its own answer)."""
+    ev = ctx.ev
+    stages = loop_stages_for(drafter, ev.loop_stages)
+    settings = resolve_settings(drafter, gamma, stages, OPEN_GATE, ev.carryover)
+    engine, stored = adaptive_engine(ctx.chain_target, drafter, settings, ev.profile_dir, 1,
+                                     notice=lambda path: _timing_notice(name, path), learn_responses=False)
+    ctx.notes[name] = {"num_speculative_tokens": settings.num_speculative_tokens, "max_cap": settings.max_cap,
+                       "loop_stages": stages, "rule": ev.rule,
+                       "round_profile": "stored" if stored.reused else "measured"}
+
+    def run(ids: list[int], n: int, seed: int) -> PromptRun:
+        if learner is not None:
+            learner.forget(tuple(ids))
+        out = _from_engine(name, engine.generate([Request(ids, n, ctx.sampling, seed, rule=ev.rule)])[0],
+                           drafting=True)
+        if learner is not None:
+            clock = time.perf_counter()
+            learner.observe(out.tokens, key=tuple(ids))
+            out.seconds += time.perf_counter() - clock
+        return out
+    return run
+
+
+def _timing_notice(name: str, path: Any) -> None:
+    print(f"eval: {name}: timing the engine's rounds at every draft cap (once per host) → {path}",
           file=sys.stderr, flush=True)
 
 
@@ -221,17 +258,25 @@ def hybrid(ctx: EvalContext) -> MethodFn:
     drafter's (``HybridDrafter``); learning each response as ``suffix`` does. Here a suffix round
     drafts at most γ (one stage, as the drafter's rounds). The notes count the rounds each side
     drafted, the warmup's included."""
-    ev, trained = ctx.ev, _trained(ctx, "hybrid")
-    settings = resolve_settings(trained, ev.num_speculative_tokens, carryover=ev.carryover)
-    gamma = settings.num_speculative_tokens
+    ev = ctx.ev
+    hybrid_drafter, notes = _hybrid_drafter(ctx, "hybrid")
+    settings = resolve_settings(hybrid_drafter, ev.num_speculative_tokens, carryover=ev.carryover)
+    engine = SpeculativeEngine(ctx.chain_target, hybrid_drafter, rule=ev.rule, settings=settings)
+    ctx.notes["hybrid"] = {"num_speculative_tokens": settings.num_speculative_tokens, "rule": ev.rule,
+                           "carryover": ev.carryover, **notes}
+    return _learning(ctx, "hybrid", engine, hybrid_drafter)
+
+
+def _hybrid_drafter(ctx: EvalContext, method: str) -> tuple[HybridDrafter, dict[str, Any]]:
+    """The trained drafter beside the ``suffix`` method's drafter, the suffix threshold
+    ``eval.hybrid_suffix_threshold`` (None: the trained drafter's γ), and notes on both."""
+    ev, trained = ctx.ev, _trained(ctx, method)
+    gamma = resolve_settings(trained, ev.num_speculative_tokens).num_speculative_tokens
     threshold = float(gamma if ev.hybrid_suffix_threshold is None else ev.hybrid_suffix_threshold)
     suffix_side, suffix_settings = _suffix_drafter(ctx)
     drafter = HybridDrafter(trained, suffix_side, threshold)
-    engine = SpeculativeEngine(ctx.chain_target, drafter, rule=ev.rule, settings=settings)
-    ctx.notes["hybrid"] = {"num_speculative_tokens": gamma, "rule": ev.rule, "carryover": ev.carryover,
-                           "suffix_threshold": threshold, "suffix_num_speculative_tokens": ev.suffix_num_speculative_tokens,
-                           **suffix_settings, "rounds_by_side": drafter.drafted_by}
-    return _learning(ctx, "hybrid", engine, drafter)
+    return drafter, {"suffix_threshold": threshold, "suffix_num_speculative_tokens": ev.suffix_num_speculative_tokens,
+                     **suffix_settings, "rounds_by_side": drafter.drafted_by}
 
 
 def hf_plain(ctx: EvalContext) -> MethodFn:
@@ -275,6 +320,8 @@ METHODS: dict[str, Method] = {
     "prompt_lookup": Method(build=prompt_lookup),
     "suffix": Method(build=suffix),
     "hybrid": Method(build=hybrid, needs_drafter=True),
+    "suffix_adaptive": Method(build=suffix_adaptive),
+    "hybrid_adaptive": Method(build=hybrid_adaptive, needs_drafter=True),
     "hf_generate": Method(build=hf_plain, peer="hf"),
     "hf_prompt_lookup": Method(build=hf_prompt_lookup, peer="hf"),
     "hf_assisted": Method(build=hf_assisted, peer="hf", needs_assistant=True),

@@ -61,10 +61,12 @@ def adaptive_policy(target: Any, drafter: Any, settings: EngineSettings, profile
 
 
 def adaptive_engine(target: Any, drafter: Any, settings: EngineSettings, profile_dir: str | Path,
-                    max_batch_size: int,
-                    notice: Callable[[Path], None] | None = None) -> tuple[BatchEngine, StoredProfile]:
+                    max_batch_size: int, notice: Callable[[Path], None] | None = None,
+                    learn_responses: bool = True) -> tuple[BatchEngine, StoredProfile]:
     """(the engine, its profile): a ``BatchEngine`` of ``max_batch_size`` rows drafting by
-    ``settings`` under the adaptive cap of ``adaptive_policy``."""
+    ``settings`` under the adaptive cap of ``adaptive_policy`` (``learn_responses``: as
+    ``BatchEngine``'s)."""
     policy, stored = adaptive_policy(target, drafter, settings, profile_dir, max_batch_size, notice)
-    engine = BatchEngine(target, drafter, max_batch_size=max_batch_size, draft_length=policy, settings=settings)
+    engine = BatchEngine(target, drafter, max_batch_size=max_batch_size, draft_length=policy, settings=settings,
+                         learn_responses=learn_responses)
     return engine, stored

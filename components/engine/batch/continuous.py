@@ -66,7 +66,7 @@ class BatchEngine:
                  carryover: bool = EngineSettings.carryover, max_batch_size: int = 16, compact_at: float = 0.5,
                  draft_length: DraftLengthPolicy | None = None, preallocate: bool = EngineSettings.preallocate,
                  tree_budget: int = EngineSettings.tree_budget, tree_builder: str = EngineSettings.tree_builder,
-                 settings: EngineSettings | None = None):
+                 settings: EngineSettings | None = None, learn_responses: bool = True):
         """``drafter=None``: every request decodes plainly. ``settings``: the drafting settings,
         resolved already (``settings.resolve_settings``); else resolved here from γ, DLoop,
         carryover, ``preallocate`` (the batch's KV cache grows in place in a buffer with
@@ -75,7 +75,9 @@ class BatchEngine:
         causal, instead of a chain: ``tree_round.py``). ``compact_at``: the fraction of the
         ragged cache's width that compaction would free, above which it is compacted after a
         round. ``draft_length``: the per-round cap on drafts (default fixed γ·stages;
-        ``AdaptiveDraftLength`` shrinks it under load)."""
+        ``AdaptiveDraftLength`` shrinks it under load). ``learn_responses``: hand each finished
+        response to a drafter declaring ``LEARNS_RESPONSES`` (False: the caller does, e.g. keyed
+        by prompt so that a prompt run again is not drafted from its own answer)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.settings = settings or resolve_settings(drafter, num_speculative_tokens, loop_stages, loop_gate, carryover,
@@ -83,7 +85,7 @@ class BatchEngine:
         self.target, self.drafter = target, drafter
         self.max_batch_size, self.compact_at = int(max_batch_size), float(compact_at)
         self.layer_ids: list[int] = list(drafter.layer_ids) if drafter is not None else []
-        self.learns = drafter is not None and has(drafter, Capability.LEARNS_RESPONSES)
+        self.learns = learn_responses and drafter is not None and has(drafter, Capability.LEARNS_RESPONSES)
         self.draft_length = draft_length or FixedDraftLength()
         self.waiting: deque[Request] = deque()
         self.batch = Batch()

@@ -18,6 +18,7 @@ from components.evaluation import (
     needs_assistant,
     needs_drafter,
 )
+from components.evaluation import methods as methods_module
 
 NEW = 10
 
@@ -123,6 +124,29 @@ def _reruns_like_fresh(ctx, method: str, prompt: list[int]) -> None:
     rerun(prompt, NEW, 0)
     second = rerun(prompt, NEW, 0)
     assert second.tokens == fresh.tokens and (second.accepted, second.drafted) == (fresh.accepted, fresh.drafted)
+
+
+@pytest.mark.parametrize("method", ["suffix_adaptive", "hybrid_adaptive"])
+def test_suffix_and_hybrid_as_served_are_lossless_and_learn_each_prompt_once(tiny_target, eval_prompt_list, tmp_path,
+                                                                             monkeypatch, method):
+    """Suffix decoding and the hybrid in the batch engine under the adaptive cap: the target's
+    greedy output; the global tree keeps one response per prompt, under the prompt (the engine
+    does not learn on its own), so a prompt run again is never drafted from its own answer."""
+    built = []
+    real = methods_module.suffix_drafter
+    monkeypatch.setattr(methods_module, "suffix_drafter", lambda *a: built.append(real(*a)) or built[-1])
+    drafter = _dspark(tiny_target) if method == "hybrid_adaptive" else None
+    ctx = _ctx(tiny_target, drafter, methods=["target_only", method], suffix_num_speculative_tokens=4,
+               suffix_max_tree_depth=16, profile_dir=str(tmp_path), loop_stages=2)
+    report = compare_methods(ctx, check_methods(ctx.ev), eval_prompt_list)
+    assert report.failures == [] and report.summaries[method].lossless is True
+    assert report.summaries[method].extra["round_profile"] == "measured"
+    prompts = {tuple(p.input_ids) for p in eval_prompt_list}
+    assert set(built[0].responses.kept) == prompts
+    run = METHODS[method].build(ctx)
+    prompt = list(eval_prompt_list[0].input_ids)
+    first, second = run(prompt, NEW, 0), run(prompt, NEW, 0)
+    assert first.tokens == second.tokens and list(built[-1].responses.kept) == [tuple(prompt)]
 
 
 def test_hybrid_needs_the_trained_drafter():
