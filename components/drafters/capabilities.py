@@ -49,6 +49,7 @@ class Capability(str, Enum):
     SLOT_HEADS = "slot_heads"  # markov_head / confidence_head modules the exporters write
     HEAD_START = "head_start"  # head_start: draft layers initialised from the target's last layers
     LEARNS_RESPONSES = "learns_responses"  # observe: finished responses teach it (suffix decoding's global tree)
+    PREVIEWS = "previews"  # preview: the next draft's confidences known before drafting (draft-then-decide)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -67,6 +68,7 @@ _METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.SLOT_HEADS: ("markov_head", "confidence_head"),
     Capability.HEAD_START: ("head_start",),
     Capability.LEARNS_RESPONSES: ("observe",),
+    Capability.PREVIEWS: ("preview",),
 }
 
 
@@ -138,6 +140,13 @@ class Carryover(Protocol):
 class LearnsResponses(Protocol):
     def observe(self, response: Sequence[int], key: Hashable | None = None) -> None:
         """Keeps a finished response (its new tokens) to draft from in later requests."""
+
+
+class Previews(Protocol):
+    def preview(self, state: DraftState, recent: Tensor) -> Tensor | None:  # recent [1, k+1] long
+        """The confidences [1, g] of the draft ``propose`` would make once the ids of ``recent``
+        (committed since ``state`` last consumed, then the last token) are consumed: g = 0, it
+        would propose nothing; None, not known before drafting. A cheap lookup, not a pass."""
 
 
 class CausalTreeHead(Protocol):

@@ -50,6 +50,11 @@ less to draft than a model round (a lookup, no drafter pass); the hybrid's round
 Token trees (``tree``, ddtree): a suffix round's one-hot marginals make its tree the suffix
 chain itself; causal trees are refused (no tree head is declared).
 
+Draft-then-decide (``PREVIEWS``). The batch engine asks ``preview`` before it picks a round's
+cap: a suffix round's confidences are known from the lookup alone, so the cap is priced on this
+round's own match; a model round's are not known before its pass, so the trained drafter's of
+its latest round stand in (the engine's estimate otherwise).
+
 Capabilities (``drafters.capabilities``): ``OWN_CONTEXT`` always (suffix rounds continue over
 stages; a trained drafter that does not declare it gets no later stages: its proposals' states
 are dropped, so the engine never asks it for ``consume_own``); ``CARRYOVER``,
@@ -96,6 +101,7 @@ class HybridState:
     suffix_draft: list[int] | None = None  # this round's suffix tokens from this state's proposal on
     suffix_conf: list[float] | None = None  # their confidences (``suffix.conditionals``)
     stage: bool = False  # a later DLoop stage's state (never committed)
+    model_conf: Tensor | None = None  # [1, γ'] the trained drafter's latest confidences, for ``preview``
 
 
 class HybridDrafter:
@@ -123,9 +129,9 @@ class HybridDrafter:
         return self.trained.carry_embed
 
     def capabilities(self) -> frozenset[Capability]:
-        """OWN_CONTEXT, LEARNS_RESPONSES (the suffix side's), and what of ``PASSED_ON`` the
-        trained drafter declares."""
-        return frozenset({Capability.OWN_CONTEXT, Capability.LEARNS_RESPONSES} |
+        """OWN_CONTEXT, LEARNS_RESPONSES (the suffix side's), PREVIEWS and what of ``PASSED_ON``
+        the trained drafter declares."""
+        return frozenset({Capability.OWN_CONTEXT, Capability.LEARNS_RESPONSES, Capability.PREVIEWS} |
                          {c for c in PASSED_ON if has(self.trained, c)})
 
     def identity(self) -> str:
@@ -139,15 +145,17 @@ class HybridDrafter:
     def consume(self, state: HybridState, tokens: Tensor, hidden: Tensor | None) -> HybridState:
         """Both sides after the committed ``tokens`` [1, T] (hidden [1, T, n, H] for the trained side)."""
         return HybridState(self.trained.consume(state.trained, tokens, hidden),
-                           self.suffix.consume(state.suffix, tokens, None))
+                           self.suffix.consume(state.suffix, tokens, None), model_conf=state.model_conf)
 
     def consume_many(self, states: list[HybridState], tokens: list[Tensor], hidden: list[Tensor]) -> list[HybridState]:
         """``consume`` per row, the trained side in one ``consume_many`` (declared by it)."""
         trained = self.trained.consume_many([s.trained for s in states], tokens, hidden)
-        return [HybridState(t, self.suffix.consume(s.suffix, ids, None)) for s, t, ids in zip(states, trained, tokens)]
+        return [HybridState(t, self.suffix.consume(s.suffix, ids, None), model_conf=s.model_conf)
+                for s, t, ids in zip(states, trained, tokens)]
 
     def rollback(self, state: HybridState, length: int) -> HybridState:
-        return HybridState(self.trained.rollback(state.trained, length), self.suffix.rollback(state.suffix, length))
+        return HybridState(self.trained.rollback(state.trained, length), self.suffix.rollback(state.suffix, length),
+                           model_conf=state.model_conf)
 
     def with_carry(self, state: HybridState, hidden_rej: Tensor, start_position: int) -> HybridState:
         """Carryover rows (hidden_rej [1, k, n, H], k ≤ γ) for the trained side, whoever drafted."""
@@ -159,8 +167,8 @@ class HybridDrafter:
         """At most γ drafts after ``last_token`` [1]: the suffix side's or the trained drafter's."""
         gamma = num_speculative_tokens or self.num_speculative_tokens
         prop = self._suffix_stage(state, last_token, gamma)
-        return prop if prop is not None else self._model_stage(
-            self.trained.propose(state.trained, last_token, sampling, generator, num_speculative_tokens=gamma))
+        return prop if prop is not None else self._model_stage(state, self.trained.propose(
+            state.trained, last_token, sampling, generator, num_speculative_tokens=gamma))
 
     def propose_many(self, states: list[HybridState], last_tokens: Tensor,  # last_tokens [R]
                      sampling: SamplingParams | list[SamplingParams], num_speculative_tokens: int | list[int] | None = None,
@@ -176,7 +184,7 @@ class HybridDrafter:
                                                 [samplings[i] for i in rows], [per_row[i] for i in rows],
                                                 generators=[gens[i] for i in rows])
             for i, prop in zip(rows, drafted):
-                props[i] = self._model_stage(prop)
+                props[i] = self._model_stage(states[i], prop)
         return props  # type: ignore[return-value]  # every row filled
 
     def consume_own(self, state: HybridState, states: Tensor) -> HybridState:
@@ -204,11 +212,24 @@ class HybridDrafter:
         prop.states = torch.zeros(1, len(tokens), 0, device=prop.tokens.device) if rest else None  # [1, k, 0]
         return prop
 
-    def _model_stage(self, prop: Proposal) -> Proposal:
-        """The trained drafter's proposal, its states kept only where it drafts on them (OWN_CONTEXT)."""
+    def _model_stage(self, state: HybridState, prop: Proposal) -> Proposal:
+        """The trained drafter's proposal, its states kept only where it drafts on them
+        (OWN_CONTEXT); on a committed state its confidences are kept for ``preview``."""
         if prop.states is not None and not has(self.trained, Capability.OWN_CONTEXT):
             prop.states = None
+        if not state.stage:
+            state.model_conf = prop.confidences
         return prop
+
+    def preview(self, state: HybridState, recent: Tensor) -> Tensor | None:  # recent [1, k+1] -> [1, g]
+        """This round's confidences before drafting: the suffix candidate's when it will clear
+        the threshold (a lookup over the ids of ``recent``, as ``SuffixDrafter.preview``), else
+        the trained drafter's of its latest round (None before it has drafted)."""
+        best = self.suffix.candidate(state.suffix, recent[0, -1:], self.suffix.num_speculative_tokens,
+                                     recent[0, :-1].tolist())
+        if best.tokens and best.score >= self.threshold:
+            return torch.tensor([conditionals(best.probs)], dtype=torch.float32)
+        return state.model_conf
 
     # ------------------------------------------------------------------ the suffix side's global tree
     def observe(self, response: Sequence[int], key: Hashable | None = None) -> None:

@@ -43,8 +43,9 @@ Proposals are one-hot q (``model_free.one_hot_proposal``), as prompt lookup's, w
 estimated probability given the drafts before it as its confidence (count / total where the
 tree branches, 1 along a continuation seen once), which the adaptive draft cap reads as it reads
 a confidence head's. Asks
-for no target taps (``layer_ids = ()``) and declares only ``LEARNS_RESPONSES`` (no batched
-passes, DLoop, carryover or tree head). Knows nothing about verification, caches or tokenization; who runs
+for no target taps (``layer_ids = ()``) and declares ``LEARNS_RESPONSES`` and ``PREVIEWS`` (the
+draft's confidences before drafting, so that the adaptive cap is priced on this round's own
+match, draft-then-decide; no batched passes, DLoop, carryover or tree head). Knows nothing about verification, caches or tokenization; who runs
 requests calls ``observe`` with each finished response (declared as
 ``Capability.LEARNS_RESPONSES``: the batch engine does it as rows finish, the eval stage's
 ``suffix`` method after each request). Not thread-safe: observe from the thread that drafts.
@@ -359,8 +360,9 @@ class SuffixDrafter:
         self.device = torch.device(device)
 
     def capabilities(self) -> frozenset[Capability]:
-        """LEARNS_RESPONSES (``observe``); one request at a time, no own states, no carryover."""
-        return frozenset({Capability.LEARNS_RESPONSES})
+        """LEARNS_RESPONSES (``observe``), PREVIEWS (``preview``); one request at a time, no own
+        states, no carryover."""
+        return frozenset({Capability.LEARNS_RESPONSES, Capability.PREVIEWS})
 
     def identity(self) -> str:
         """What round profiles of this drafter are keyed by: its class (no parameters)."""
@@ -374,19 +376,23 @@ class SuffixDrafter:
 
     def consume(self, state: SuffixState, tokens: Tensor, hidden: Tensor | None) -> SuffixState:
         """The state after the committed ``tokens`` [1, T] (hidden states ignored)."""
-        tree = self._tree(state)
-        tree.extend(REQUEST, tokens[0].tolist())
-        return SuffixState(tree, state.length + tokens.shape[1])
+        ids = tokens[0].tolist()
+        return SuffixState(self._tree(state, ids), state.length + len(ids))
 
     def rollback(self, state: SuffixState, length: int) -> SuffixState:
         return SuffixState(state.tree, min(length, state.length))
 
-    def _tree(self, state: SuffixState) -> SuffixTree:
-        """``state``'s tree, rebuilt from its own ids when the shared one has moved on."""
-        if len(state.tree.seqs.get(REQUEST, [])) != state.length:
+    def _tree(self, state: SuffixState, ahead: Sequence[int] = ()) -> SuffixTree:
+        """``state``'s tree holding its ids and then ``ahead``: the shared tree, extended where it
+        ends within ``ahead`` (a ``preview`` may have run it ahead of the state), else rebuilt
+        from the state's own ids (rolled back, or consumed from twice along another path)."""
+        seq = state.tree.seqs.get(REQUEST, [])
+        beyond = seq[state.length:]
+        if len(seq) < state.length or beyond != list(ahead[:len(beyond)]):
             rebuilt = SuffixTree(self.max_depth)
             rebuilt.extend(REQUEST, state.tokens)
-            state.tree = rebuilt
+            state.tree, beyond = rebuilt, []
+        state.tree.extend(REQUEST, ahead[len(beyond):])
         return state.tree
 
     # ------------------------------------------------------------------ drafting
@@ -398,12 +404,22 @@ class SuffixDrafter:
         tokens = best.tokens if best.tokens and best.score >= self.min_score else []
         return suffix_proposal(tokens, conditionals(best.probs[:len(tokens)]), self.vocab_size, self.device)
 
-    def candidate(self, state: SuffixState, last_token: Tensor, gamma: int) -> Candidate:
+    def preview(self, state: SuffixState, recent: Tensor) -> Tensor:  # recent [1, k+1] -> [1, g]
+        """The confidences of the draft ``propose`` would make once the ids of ``recent`` (not
+        yet consumed, then the last token) are consumed: [1, 0] when it would propose nothing.
+        Exact: the request's tree is run ahead over the unconsumed ids (``consume`` then finds
+        them there)."""
+        best = self.candidate(state, recent[0, -1:], self.num_speculative_tokens, recent[0, :-1].tolist())
+        kept = best.probs if best.tokens and best.score >= self.min_score else []
+        return torch.tensor([conditionals(kept)], dtype=torch.float32).reshape(1, len(kept))
+
+    def candidate(self, state: SuffixState, last_token: Tensor, gamma: int, ahead: Sequence[int] = ()) -> Candidate:
         """The best candidate of at most ``gamma`` tokens after ``last_token`` [1] (``speculate``
-        over the committed tail that fits a match), before ``min_score`` is applied."""
-        tree = self._tree(state)
-        committed = tree.seqs.get(REQUEST, [])
-        context = committed[max(0, state.length - self.max_match + 1):state.length] + [int(last_token[0])]
+        over the committed tail that fits a match), before ``min_score`` is applied; ``ahead``:
+        ids committed after the state's, not consumed yet (``preview``)."""
+        tree = self._tree(state, ahead)
+        end = state.length + len(ahead)
+        context = tree.seqs.get(REQUEST, [])[max(0, end - self.max_match + 1):end] + [int(last_token[0])]
         return self.speculate(tree, context, gamma)
 
     def speculate(self, request: SuffixTree, context: list[int], gamma: int) -> Candidate:

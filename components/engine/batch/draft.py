@@ -19,7 +19,10 @@ a match, batched or not) is a plain row of the round: one token in the verify pa
 rule's own target sample, a plain round in its record. A speculating row's plain round (cap 0,
 or nothing proposed) only records its token and hidden state (``pending``);
 the drafter consumes them when the row drafts again (``flush``), so cap-0 rounds cost what
-plain decoding costs. Knows the drafter's engine protocol, the chain's drafting step and the
+plain decoding costs. A drafter declaring ``Capability.PREVIEWS`` (suffix decoding, the hybrid)
+tells, before the cap is picked, the confidences of the draft it will make (a lookup over the
+row's ids, deferred ones included), so an adaptive cap is priced on this round's own draft
+(draft-then-decide) rather than on the last round's. Knows the drafter's engine protocol, the chain's drafting step and the
 draft-length policy; nothing about verification or the target cache.
 """
 
@@ -58,6 +61,7 @@ class Drafting:
     def __init__(self, drafter: Any, settings: EngineSettings, policy: DraftLengthPolicy):
         self.drafter, self.settings, self.policy = drafter, settings, policy
         self.batched = drafter is not None and has(drafter, Capability.BATCHED_PROPOSE)
+        self.previews = drafter is not None and has(drafter, Capability.PREVIEWS) and policy.adapts
         self.caps: deque[int] = deque(maxlen=CAPS_KEPT)  # the cap chosen each of the last rounds
         self.capped_rounds = 0  # rounds that chose a cap, since the engine started
         self.defer_plain_updates = True  # plain rounds of speculating rows defer the drafter's update
@@ -69,6 +73,8 @@ class Drafting:
         for row in rows:  # last round's outcome, for the rows' own records
             if row.drafts is not None and row.result.accepted:
                 row.estimate.settle(row.num_drafts, row.result.accepted[-1])
+        if self.previews:
+            self._preview(rows)
         cap = self._cap(rows, draining)
         spent = self.flush([r for r in rows if r.pending and cap and r.speculates])
         together: list[tuple[Row, int]] = []
@@ -90,6 +96,21 @@ class Drafting:
         for row in rows:
             row.estimate.refresh(row.proposal.confidences if row.proposal is not None else None, self.policy.calibrate)
         return spent
+
+    def _preview(self, rows: list[Row]) -> None:
+        """Draft-then-decide: each speculating row's estimate from the confidences of the draft
+        its drafter will make this round (``preview``, over the ids its plain rounds deferred and
+        the last token), zero past that draft's length; a row it cannot preview keeps its own."""
+        max_cap = self.settings.max_cap
+        for row in rows:
+            if not row.speculates:
+                continue
+            recent = torch.cat([t for t, _ in row.pending] + [row.seq.last_token[:, None]], dim=1)  # [1, k+1]
+            conf = self.drafter.preview(row.seq.draft_state, recent)  # [1, g] or None
+            if conf is not None:
+                padded = torch.zeros(1, max_cap, dtype=torch.float64)
+                padded[:, :min(conf.shape[1], max_cap)] = conf[:, :max_cap].double().cpu()
+                row.estimate.refresh(padded, self.policy.calibrate)
 
     def _draft_together(self, rows: list[tuple[Row, int]]) -> float:
         """Drafts of ``rows`` (row, num_drafts) in one ``propose_many`` call, each of its own

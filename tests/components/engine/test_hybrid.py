@@ -51,20 +51,19 @@ class ScriptedSuffix(SuffixDrafter):
     """The suffix side made to order: its candidate is the continuation of the reference (prompt
     + expected output) whose prefix the context is, every token's estimated probability 1 (score
     = length); the last token made wrong with ``wrong_last`` (each suffix round then rejects
-    something); with ``alternate`` nothing on every second round of each request (so the model
-    drafts those), counted per request, so that every engine makes the same choices."""
+    something); with ``alternate`` nothing where the context's length is even (so the model
+    drafts those rounds): a choice by the context alone, so that every engine makes the same
+    choices, however often it looks a candidate up (``preview`` looks before the cap)."""
 
     def __init__(self, references: list[list[int]], vocab_size: int, gamma: int, alternate: bool = True,
                  wrong_last: bool = False):
         super().__init__(vocab_size, gamma, gamma + 1)
         self.references, self.alternate, self.wrong_last = [list(r) for r in references], alternate, wrong_last
-        self.calls: Counter[int] = Counter()  # per reference: rounds asked
 
-    def candidate(self, state, last_token, gamma) -> Candidate:
-        context = state.tokens + [int(last_token[0])]
+    def candidate(self, state, last_token, gamma, ahead=()) -> Candidate:
+        context = state.tokens + list(ahead) + [int(last_token[0])]
         i = next((i for i, r in enumerate(self.references) if r[:len(context)] == context), -1)
-        self.calls[i] += 1
-        if i < 0 or (self.alternate and self.calls[i] % 2 == 0):
+        if i < 0 or (self.alternate and len(context) % 2 == 0):
             return Candidate()
         tokens = self.references[i][len(context):len(context) + gamma]
         if self.wrong_last and tokens:
@@ -266,8 +265,8 @@ def test_a_trained_drafter_without_own_states_gets_no_later_stages(tiny_target, 
 
 def test_capabilities_are_those_of_the_trained_drafter_passed_on(tiny_target):
     draft = HybridDrafter(dspark(tiny_target, carryover=True), SuffixDrafter(tiny_target.vocab_size, 4, 8), 1.0)
-    assert draft.capabilities() == {Capability.OWN_CONTEXT, Capability.LEARNS_RESPONSES, Capability.CARRYOVER,
-                                    Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME}
+    assert draft.capabilities() == {Capability.OWN_CONTEXT, Capability.LEARNS_RESPONSES, Capability.PREVIEWS,
+                                    Capability.CARRYOVER, Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME}
     for cap in draft.capabilities():
         assert all(getattr(draft, m, None) is not None for m in cap.methods)
     assert draft.layer_ids == draft.trained.layer_ids and draft.num_speculative_tokens == 4
@@ -373,3 +372,20 @@ def test_sampled_rows_draw_what_the_batch_1_engine_draws(tiny_target, greedy_ref
             for r in reqs]
     got = BatchEngine(tiny_target, hybrid(tiny_target, refs), max_batch_size=4).generate(reqs)
     assert [(r.tokens, r.accepted) for r in got] == [(o.tokens, o.accepted) for o in expected]
+
+
+def test_the_preview_is_the_suffix_candidates_else_the_models_latest_confidences(tiny_target):
+    """Draft-then-decide: before drafting, the hybrid tells the suffix candidate's confidences
+    when it will clear the threshold, else those of the trained drafter's latest round (None
+    before its first), carried through consume."""
+    prompt = [5, 6, 7]
+    draft = hybrid(tiny_target, [prompt + list(range(30, 45))], gamma_s=6, alternate=False)
+    ids = torch.tensor([prompt + [99]])
+    hidden = tiny_target.forward(ids, layer_ids=draft.layer_ids).hidden
+    state = draft.consume(draft.init_state(1), ids[:, :3], hidden[:, :3])
+    assert draft.preview(state, torch.tensor([[30]])).tolist() == [[1.0] * 6]  # the reference goes on: 31..36
+    assert draft.preview(state, torch.tensor([[99]])) is None  # no candidate, no model round yet
+    prop = draft.propose(state, torch.tensor([99]))
+    assert draft.drafted_by == Counter({MODEL: 1}) and prop.confidences is not None
+    after = draft.consume(state, ids[:, 3:], hidden[:, 3:])
+    assert torch.equal(draft.preview(after, torch.tensor([[98]])), prop.confidences)

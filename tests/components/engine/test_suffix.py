@@ -16,7 +16,7 @@ import torch
 
 from components.engine import BatchEngine, SpeculativeEngine, SuffixDrafter, target_only_generate
 from components.engine.batch import Request
-from components.engine.suffix import ResponseCache, SuffixTree, speculate
+from components.engine.suffix import REQUEST, ResponseCache, SuffixTree, speculate
 from components.spec.sampling import SamplingParams
 from tests.components.engine.batch.test_continuous import requests
 from tests.components.engine.test_engine_zero_draft import SAMPLED, successor_target
@@ -341,3 +341,82 @@ def test_confidences_are_each_drafts_estimated_probability_given_the_drafts_befo
     best = drafter.candidate(state, torch.tensor([6]), 4)
     assert torch.allclose(prop.confidences.cumprod(-1)[0], torch.tensor(best.probs))
     assert drafter.propose(_state(drafter, [1, 2]), torch.tensor([3])).confidences is None  # nothing proposed
+
+
+# ----------------------------------------------------------------------------- draft-then-decide
+@pytest.mark.parametrize("seed", range(3))
+def test_the_preview_is_what_propose_gives_once_the_deferred_ids_are_consumed(seed):
+    """Over ids committed but not consumed yet (a plain round's deferral) and the last token:
+    the confidences of the very draft ``propose`` makes after consuming them; the request's tree
+    run ahead for it is then reused, not rebuilt, and stays exact."""
+    rng = random.Random(seed)
+    for _ in range(30):
+        drafter = SuffixDrafter(5, rng.randint(1, 4), 10, min_token_prob=rng.choice([0.0, 0.3]))
+        for _ in range(rng.randint(0, 2)):
+            drafter.observe(random_seq(rng, 4, 15))
+        state = _state(drafter, random_seq(rng, 4, 12) + [0])
+        deferred = random_seq(rng, 4, 6)
+        last = rng.randrange(4)
+        preview = drafter.preview(state, torch.tensor([deferred + [last]]))
+        tree = state.tree
+        after = drafter.consume(state, torch.tensor([deferred]), None) if deferred else state
+        prop = drafter.propose(after, torch.tensor([last]))
+        assert after.tree is tree and tree.seqs[REQUEST] == after.tokens
+        assert preview.shape == (1, prop.tokens.shape[1])
+        if prop.confidences is not None:
+            assert torch.equal(preview, prop.confidences)
+        assert_exact(tree, [after.tokens])
+
+
+class CountingSuffix(SuffixDrafter):
+    """Suffix decoding counting its ``propose`` calls and the previews that promised no draft."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.proposed = self.empty_previews = 0
+
+    def propose(self, *args, **kwargs):
+        self.proposed += 1
+        return super().propose(*args, **kwargs)
+
+    def preview(self, state, recent):
+        conf = super().preview(state, recent)
+        self.empty_previews += conf.shape[1] == 0
+        return conf
+
+
+class SurvivalCap:
+    """A draft-length policy (the policy's interface) that records each round's survival
+    estimate and drafts exactly as far as it is non-zero."""
+
+    adapts, calibrate = True, False
+
+    def __init__(self):
+        self.seen: list[torch.Tensor] = []
+
+    def empirical_survival(self, max_cap: int) -> torch.Tensor:  # → [max_cap] float64
+        return torch.full((max_cap,), 0.5, dtype=torch.float64)
+
+    def cap(self, survival, max_cap: int, remaining=None) -> int:  # survival [1, max_cap]
+        self.seen.append(survival[0].clone())
+        return int((survival[0] > 0).sum())
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+
+def test_the_batch_engine_prices_each_round_on_its_own_match(tiny_target, greedy_refs):
+    """The batch engine asks the preview before the cap: each round's survival is its own
+    draft's (zero past its length), a round the preview finds no match for is plain without a
+    proposal, and the output is the target's own."""
+    reqs = requests(tiny_target)[:3]
+    drafter = CountingSuffix(tiny_target.vocab_size, 4, 16, max_cached_responses=0)  # each request's own tree
+    policy = SurvivalCap()
+    results = BatchEngine(tiny_target, drafter, max_batch_size=1, draft_length=policy).generate(reqs)
+    assert [r.tokens for r in results] == greedy_refs[:3]
+    drafting = [s for s in policy.seen if s[0] > 0]
+    assert drafter.empty_previews == len(policy.seen) - len(drafting) > 0
+    assert drafter.proposed == len(drafting) == sum(len(r.accepted) for r in results) > 0
+    for s in drafting:  # a draft's survival: non-increasing, then zeros
+        n = int((s > 0).sum())
+        assert torch.all(s[:n] > 0) and torch.all(s[n:] == 0) and torch.all(s[1:n] <= s[:n - 1])
