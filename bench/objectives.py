@@ -13,7 +13,7 @@ split). Variants:
 * loss: dspark trained with lk_hybrid and with bv instead of the DSpark mix;
 * storage: dspark on the same rollouts re-encoded to int8 (per-row absmax) instead of float16;
 * chain: the offline dspark drafter continued for ``--extra`` steps with a fresh optimizer by
-  offline (the control), opd, carryover or dloop — equal total steps for all four (``--chain``
+  offline (the control), opd, carryover, dloop or edr — equal total steps for all (``--chain``
   picks some of them).
 
 Every variant is sized alike: ``--num-layers`` sets drafter.num_layers (unset: each drafter's own
@@ -65,7 +65,8 @@ DSPARK = DrafterConfig(name="dspark", block_size=7, markov_rank=32)
 DRAFTERS = {"dspark": (DSPARK, "tv_ce_confidence"),
             "dflash": (DrafterConfig(name="dflash", block_size=8), "kl"),
             "eagle3": (DrafterConfig(name="eagle3", ttt_steps=7), "kl")}
-EXTRA_LOSS = {"offline": "tv_ce_confidence", "opd": "opd", "carryover": "tv_ce_confidence", "dloop": "tv_ce_confidence"}
+EXTRA_LOSS = {"offline": "tv_ce_confidence", "opd": "opd", "carryover": "tv_ce_confidence", "dloop": "tv_ce_confidence",
+              "edr": "tv_ce_confidence"}  # edr forms its own loss
 
 
 def parse_args() -> argparse.Namespace:

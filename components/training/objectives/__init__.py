@@ -8,13 +8,14 @@ the previous one produced.
 - ``offline``: random anchors in the rollouts, the drafter's own layout, any registry loss;
 - ``opd``: Draft-OPD: blocks where simulated greedy rounds start, two-stream OPD loss;
 - ``dloop``: DLoop loop-aware training: later stages read the drafter's own states;
-- ``carryover``: draft → verify → re-draft with the target's rejected states as extra context.
+- ``carryover``: draft → verify → re-draft with the target's rejected states as extra context;
+- ``edr``: the expected number of rounds over each whole rollout, exactly (blocks at every anchor).
 
 Objectives register with ``@register_objective(name)``; nothing outside this package branches
 on an objective's name.
 """
 
-from components.training.objectives import carryover, dloop, offline, opd  # noqa: F401  (registers them)
+from components.training.objectives import carryover, dloop, edr, offline, opd  # noqa: F401  (registers them)
 from components.training.objectives.base import (
     OBJECTIVES,
     Objective,

@@ -12,10 +12,13 @@ from components.drafters import build_drafter
 from components.drafters.capabilities import Capability, CapabilityError
 from components.losses import build_loss
 from components.losses.common import LossInputs
+from components.losses.edr import round_values
+from components.losses.overlap import alpha_tv_reference
 from components.spec.sampling import GREEDY
 from components.training import collate, new_train_state, train_step
 from components.training.chain import resolve_chain
 from components.training.objectives import OBJECTIVES, ObjectiveContext, build_objective
+from components.training.objectives.edr import every_anchor
 from components.training.rounds import anchor_tensor, simulate_rounds
 from tests.components.training.test_training_steps import _record, first_step_descends
 
@@ -112,6 +115,31 @@ def test_opd_objective_trains_every_drafter_kind(name, tiny_target, records):
     assert all(m["train/sim_tau"] >= 1.0 for m in metrics)  # τ counts the bonus/correction token
 
 
+@pytest.mark.parametrize("name", ["dspark", "dflash"])
+def test_edr_objective_is_the_expected_rounds_at_every_anchor_and_trains(name, tiny_target, records):
+    """Its loss (confidence off) is Σ E[#rounds] / Σ anchors over the rows, E from 1 − TV of the
+    blocks at every anchor from the first response token on; its first step descends."""
+    torch.manual_seed(0)
+    drafter = build_drafter(DRAFTERS[name], tiny_target)
+    objective = build_objective("edr", drafter, build_loss("kl"), {"confidence_weight": 0.0}, ObjectiveContext(tiny_target))
+    batch = collate(records)
+    anchors, lengths = every_anchor(batch.loss_mask)
+    first = batch.loss_mask.int().argmax(1)
+    for row, (a, n) in enumerate(zip(anchors, lengths)):
+        assert a[:n].tolist() == list(range(int(first[row]), int(first[row]) + int(n))) and bool((a[n:] == -1).all())
+    with torch.no_grad():
+        out = drafter.training_forward(dataclasses.replace(batch, anchors=anchors))
+        _, tv = alpha_tv_reference(torch.softmax(out.target_logits.double(), -1), out.draft_logits.double())
+        accept = torch.where(out.valid, 1 - tv, 0.0).view(*anchors.shape, -1)
+        expected = round_values(accept, lengths)[0][:, 0].sum() / lengths.sum()
+        loss, metrics = objective(batch)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-4)
+    assert float(metrics.terms["sim_tau"]) == pytest.approx(float(1 / expected), rel=1e-4)
+    state = new_train_state(drafter, TrainConfig(lr=3e-3, warmup_steps=1), 10, seed=1, objective=objective)
+    metrics = [first_step_descends(state, batch, seed=0)] + [train_step(state, batch) for _ in range(2)]
+    assert all(torch.isfinite(torch.tensor(m["train/loss"])) for m in metrics)
+
+
 def test_chain_resolves_losses_and_overrides_and_names_mistakes():
     tc = TrainConfig(objectives=["offline", "opd"], per_objective={"opd": {"lr": 1e-4, "max_anchors": 4}})
     offline, opd = resolve_chain(tc)
@@ -134,7 +162,8 @@ def test_chain_resolves_losses_and_overrides_and_names_mistakes():
 # What each objective declares it needs of its drafter; every other objective needs nothing
 # beyond the core interface.
 REQUIRES = {"dloop": (Capability.BLOCK_INTERNALS, Capability.OWN_CONTEXT),
-            "carryover": (Capability.BLOCK_INTERNALS, Capability.CARRYOVER)}
+            "carryover": (Capability.BLOCK_INTERNALS, Capability.CARRYOVER),
+            "edr": (Capability.BLOCK_INTERNALS,)}
 
 
 def _declaring(target, monkeypatch, keep):
