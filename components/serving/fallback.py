@@ -17,7 +17,8 @@ failed call answers is chosen by the result its signature declares (``declared_s
   adaptive draft cap choose plain rounds for such rows (with a fixed cap they verify the null
   drafts, which costs a little width and accepts what the target itself would emit);
 * a causal tree head: flat scores (a failure inside the returned head is caught the same way):
-  the tree is still verified exactly, it only accepts less.
+  the tree is still verified exactly, it only accepts less;
+* a tensor or None (``preview``): None, "not known" (the engine keeps its own estimate).
 
 ``observe`` (``LEARNS_RESPONSES``) answers nothing: a failed one only loses that response.
 A batched call (a list of slots) runs on the rows still live; a failure marks all of them. A
@@ -58,7 +59,8 @@ class Slot:
 
 FAILED = Slot(None, True)
 STATE, STATES, PROPOSAL, PROPOSALS, HEAD = "DraftState", "list[DraftState]", "Proposal", "list[Proposal]", "CausalHead"
-STAND_IN_FOR = (STATE, STATES, PROPOSAL, PROPOSALS, HEAD)  # declared results a failed call can answer
+MAYBE = "Tensor | None"  # e.g. a preview: None is always an answer (not known)
+STAND_IN_FOR = (STATE, STATES, PROPOSAL, PROPOSALS, HEAD, MAYBE)  # declared results a failed call can answer
 
 
 @functools.cache
@@ -176,6 +178,8 @@ class GuardedDrafter:
         kind = _returns(name)
         if kind in (STATE, STATES):
             return FAILED
+        if kind == MAYBE:
+            return None
         if kind == HEAD:
             return flat_head
         args = bound.arguments

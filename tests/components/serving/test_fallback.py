@@ -14,7 +14,7 @@ from torch import nn
 
 from components.config import DrafterConfig
 from components.drafters.capabilities import Capability
-from components.serving.fallback import GUARDED, STAND_IN_FOR, GuardedDrafter, _returns
+from components.serving.fallback import FAILED, GUARDED, STAND_IN_FOR, GuardedDrafter, _returns
 from components.serving.protocol import parse_request
 from components.serving.replica import Replica
 from components.serving.responses import Outcome
@@ -135,3 +135,20 @@ def test_a_failed_observe_loses_only_that_response(tiny_target):
     guarded = GuardedDrafter(Forgetful(tiny_target.vocab_size, 4, max_depth=16), tiny_target.vocab_size)
     guarded.observe([1, 2, 3])  # logged and counted, never raised into the engine's round
     assert guarded.failures == 1 and "observe: RuntimeError: tree full" in guarded.last_error
+
+
+def test_a_preview_reads_the_slots_state_and_a_failed_one_is_not_known(tiny_target):
+    """``preview`` (draft-then-decide) is guarded: it reads the wrapped state, and a failure, or
+    a failed slot, answers None (the engine keeps its own estimate), counted as a failure."""
+    from components.engine import SuffixDrafter
+
+    class Blind(SuffixDrafter):
+        def preview(self, state, recent):
+            raise RuntimeError("no lookup")
+
+    guarded = GuardedDrafter(SuffixDrafter(tiny_target.vocab_size, 4, max_depth=16), tiny_target.vocab_size)
+    slot = guarded.consume(guarded.init_state(1), torch.tensor([[1, 2, 3, 1]]), None)
+    assert guarded.preview(slot, torch.tensor([[2]])).tolist() == [[1.0, 1.0]]  # "1 2" went on with 3, 1
+    assert guarded.preview(FAILED, torch.tensor([[2]])) is None and guarded.failures == 0
+    blind = GuardedDrafter(Blind(tiny_target.vocab_size, 4, max_depth=16), tiny_target.vocab_size)
+    assert blind.preview(blind.init_state(1), torch.tensor([[2]])) is None and blind.failures == 1
