@@ -12,7 +12,7 @@ split). Variants:
   default here (dspark: the DSpark mix; dflash and eagle3: KL, no confidence head);
 * loss: dspark trained with lk_hybrid and with bv instead of the DSpark mix;
 * storage: dspark on the same rollouts re-encoded to int8 (per-row absmax) instead of float16;
-* chain: the offline dspark drafter continued for ``--extra`` steps with a fresh optimizer by
+* chain: the offline dspark drafter (or ``--base``, one trained elsewhere) continued for ``--extra`` steps with a fresh optimizer by
   offline (the control), opd, carryover, dloop or edr — equal total steps for all (``--chain``
   picks some of them).
 
@@ -53,7 +53,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from components.config import DrafterConfig, TargetConfig, TrainConfig
 from components.data.records import Record, encode, select_layers
 from components.data.shards import load_manifest, read_records
-from components.drafters import build_drafter, with_draft_vocab
+from components.drafters import build_drafter, load_drafter, with_draft_vocab
 from components.drafters.registry import resolve_layer_ids
 from components.engine import SpeculativeEngine
 from components.losses import build_loss
@@ -88,6 +88,9 @@ def parse_args() -> argparse.Namespace:
                     "(default: each drafter's own)")
     ap.add_argument("--draft-vocab", type=int, default=0, help="drafter.draft_vocab_size of every variant, "
                     "chosen from the training split's response tokens (0: the full vocabulary)")
+    ap.add_argument("--base", default=None, help="a trained dspark drafter directory the chain variants continue "
+                    "from (its own held-out figures are reported as 'dspark'), instead of training one for --steps")
+    ap.add_argument("--mixed-precision", default="no", help="train.mixed_precision of every variant (no | auto | bf16)")
     ap.add_argument("--out", default="bench-objectives.json")
     return ap.parse_args()
 
@@ -126,7 +129,7 @@ def as_int8(records: list[Record]) -> list[Record]:
 def train(drafter: Any, objective: str, loss: str, records: list[Record], steps: int, args: argparse.Namespace,
           target: Any, lr: float, warmup: int) -> dict[str, float]:
     """``steps`` optimizer steps of ``objective`` over ``records`` (fixed order, cycling)."""
-    tc = TrainConfig(lr=lr, warmup_steps=warmup, seed=0)
+    tc = TrainConfig(lr=lr, warmup_steps=warmup, seed=0, mixed_precision=args.mixed_precision)
     obj = build_objective(objective, drafter, build_loss(loss), {}, ObjectiveContext(target))
     state = new_train_state(drafter, tc, steps, seed=0, objective=obj)
     order = np.random.default_rng(0).permutation(len(records))
@@ -176,7 +179,12 @@ def run_groups(args: argparse.Namespace, target: Any, train_set: list[Record], h
         print(name, json.dumps(results[name]), flush=True)
         return drafter
 
-    base = offline("dspark", dspark, "tv_ce_confidence", train_set, held)
+    if args.base:
+        base = load_drafter(args.base, target).eval()
+        results["dspark"] = {"seconds": 0.0, "loss_last": float("nan"), **heldout_eval(base, held), **describe(base)}
+        print("dspark (from --base)", json.dumps(results["dspark"]), flush=True)
+    else:
+        base = offline("dspark", dspark, "tv_ce_confidence", train_set, held)
     if "drafter" in groups:
         for name in ("dflash", "eagle3"):
             cfg, loss = DRAFTERS[name]
