@@ -25,6 +25,7 @@ registry's vocabulary step; nothing about Ray Train, MLflow or drafter families.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,8 @@ from components.data.records import (
     TargetIdentity,
     batch_to_records,
     check_meta,
+    records_to_table,
+    select_layers,
     split_rows,
     table_to_batch,
     table_to_records,
@@ -86,11 +89,19 @@ def data_dir(cfg: SpeclineConfig, upstream: dict[str, Any]) -> Path:
 
 
 def shard_inputs(cfg: SpeclineConfig, data_dir: Path, target: TargetIdentity, layer_ids: list[int]) -> TrainInputs:
-    """Offline input: the shards under ``data_dir`` (any storage dtype), held-out records split off."""
+    """Offline input: the shards under ``data_dir`` (any storage dtype), held-out records split off.
+    Shards captured at more layers than the drafter reads (rollouts made for another drafter)
+    give it its own taps (a copy of the hidden states, made in memory as the shards are read)."""
     import ray.data
 
-    storage = RecordMeta.from_dict(load_manifest(data_dir)["meta"]).storage
-    tables = read_tables(data_dir, RecordMeta.of(target, layer_ids, storage))
+    stored = RecordMeta.from_dict(load_manifest(data_dir)["meta"])
+    want = RecordMeta.of(target, layer_ids, stored.storage)
+    if want != stored and dataclasses.replace(stored, layer_ids=want.layer_ids) == want \
+            and set(want.layer_ids) <= set(stored.layer_ids):  # captured for another drafter, holding these taps
+        tables = [records_to_table(select_layers(table_to_records(t), stored.layer_ids, want.layer_ids))
+                  for t in read_tables(data_dir, stored)]
+    else:
+        tables = read_tables(data_dir, want)  # refuses another target, tokenizer or layer set by name
     ids = [i for t in tables for i in t.column("sample_id").to_pylist()]
     held = heldout_ids(ids, cfg.train.eval_fraction, cfg.train.seed)
     split = [split_rows(t, held) for t in tables]  # (train, held-out) per shard

@@ -54,11 +54,27 @@ def test_either_shard_format_gives_the_same_split(tiny_target, shards, ray_sessi
             assert np.array_equal(row[col], want) and np.array_equal(other[sid][col], want), (sid, col)
 
 
+def test_a_drafter_reading_some_of_the_captured_taps_gets_just_those(tiny_target, shards, ray_session):
+    """Rollouts captured for a drafter of three taps train one that reads two of them (in its own
+    order): the same split, each row's hidden states those taps' and nothing else changed."""
+    layer_ids, records, dirs = shards
+    wanted = [layer_ids[2], layer_ids[0]]
+    inputs = shard_inputs(CFG, dirs["parquet"], tiny_target, wanted)
+    by_id = {r.sample_id: r for r in records}
+    for r in inputs.heldout:
+        assert np.array_equal(r.hidden, by_id[r.sample_id].hidden[:, [2, 0]])
+    rows = _rows(inputs.dataset)
+    assert len(rows) == inputs.num_train == 6
+    for sid, row in rows.items():
+        assert np.array_equal(row["hidden"], by_id[sid].hidden[:, [2, 0]])
+        assert np.array_equal(row["last_hidden"], by_id[sid].last_hidden)
+
+
 def test_shards_of_another_layer_set_or_no_data_are_refused(tiny_target, shards):
     layer_ids, _, dirs = shards
     for path in dirs.values():
-        with pytest.raises(RecordMismatchError, match=r"layer_ids is .*, expected \(0, 1\)"):
-            shard_inputs(CFG, path, tiny_target, [0, 1])
+        with pytest.raises(RecordMismatchError, match=r"layer_ids is .*, expected \(0, 9\)"):
+            shard_inputs(CFG, path, tiny_target, [0, 9])  # layer 9 was not captured
     no_data = dataclasses.replace(CFG, data=DataConfig(mode="shards"))
     with pytest.raises(ConfigError, match="train: no data; set train.data_dir"):
         train_inputs(no_data, {}, tiny_target, layer_ids)
