@@ -12,9 +12,9 @@ split). Variants:
   default here (dspark: the DSpark mix; dflash and eagle3: KL, no confidence head);
 * loss: dspark trained with lk_hybrid and with bv instead of the DSpark mix;
 * storage: dspark on the same rollouts re-encoded to int8 (per-row absmax) instead of float16;
-* chain: the offline dspark drafter (or ``--base``, one trained elsewhere) continued for ``--extra`` steps with a fresh optimizer by
-  offline (the control), opd, carryover, dloop or edr — equal total steps for all (``--chain``
-  picks some of them).
+* chain: the offline dspark drafter (or ``--base``, one trained elsewhere) continued for
+  ``--extra`` steps with a fresh optimizer by offline (the control), opd, carryover, dloop or
+  edr — equal total steps for all (``--chain`` picks some of them).
 
 Every variant is sized alike: ``--num-layers`` sets drafter.num_layers (unset: each drafter's own
 default) and ``--draft-vocab DV`` drafter.draft_vocab_size (0: the full vocabulary). With DV > 0 each

@@ -79,7 +79,13 @@ from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal, row_settings
 from components.drafters.capabilities import Capability, has
-from components.engine.suffix import SuffixDrafter, SuffixState, conditionals, suffix_proposal
+from components.engine.suffix import (
+    Candidate,
+    SuffixDrafter,
+    SuffixState,
+    conditionals,
+    suffix_proposal,
+)
 from components.spec.sampling import SamplingParams
 
 SUFFIX, MODEL = "suffix", "model"  # the sides, as ``drafted_by`` counts them
@@ -201,7 +207,7 @@ class HybridDrafter:
         on a committed state) a suffix round; None: the model drafts."""
         if not state.stage:
             best = self.suffix.candidate(state.suffix, last_token, self.suffix.num_speculative_tokens)
-            chosen = bool(best.tokens) and best.score >= self.threshold
+            chosen = self._clears(best)
             state.suffix_draft = best.tokens if chosen else None
             state.suffix_conf = conditionals(best.probs) if chosen else None
             self.drafted_by[SUFFIX if chosen else MODEL] += 1
@@ -227,9 +233,13 @@ class HybridDrafter:
         the trained drafter's of its latest round (None before it has drafted)."""
         best = self.suffix.candidate(state.suffix, recent[0, -1:], self.suffix.num_speculative_tokens,
                                      recent[0, :-1].tolist())
-        if best.tokens and best.score >= self.threshold:
+        if self._clears(best):
             return torch.tensor([conditionals(best.probs)], dtype=torch.float32)
         return state.model_conf
+
+    def _clears(self, best: Candidate) -> bool:
+        """Whether the suffix side's candidate drafts this round: a match scoring ≥ the threshold."""
+        return bool(best.tokens) and best.score >= self.threshold
 
     # ------------------------------------------------------------------ the suffix side's global tree
     def observe(self, response: Sequence[int], key: Hashable | None = None) -> None:

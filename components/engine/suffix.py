@@ -45,7 +45,8 @@ tree branches, 1 along a continuation seen once), which the adaptive draft cap r
 a confidence head's. Asks
 for no target taps (``layer_ids = ()``) and declares ``LEARNS_RESPONSES`` and ``PREVIEWS`` (the
 draft's confidences before drafting, so that the adaptive cap is priced on this round's own
-match, draft-then-decide; no batched passes, DLoop, carryover or tree head). Knows nothing about verification, caches or tokenization; who runs
+match, draft-then-decide; no batched passes, DLoop, carryover or tree head). Knows nothing
+about verification, caches or tokenization; who runs
 requests calls ``observe`` with each finished response (declared as
 ``Capability.LEARNS_RESPONSES``: the batch engine does it as rows finish, the eval stage's
 ``suffix`` method after each request). Not thread-safe: observe from the thread that drafts.
@@ -401,7 +402,7 @@ class SuffixDrafter:
         """At most γ tokens after ``last_token`` [1]; an empty proposal (tokens [1, 0]) without a
         match or below ``min_score``."""
         best = self.candidate(state, last_token, num_speculative_tokens or self.num_speculative_tokens)
-        tokens = best.tokens if best.tokens and best.score >= self.min_score else []
+        tokens = self._kept(best)
         return suffix_proposal(tokens, conditionals(best.probs[:len(tokens)]), self.vocab_size, self.device)
 
     def preview(self, state: SuffixState, recent: Tensor) -> Tensor:  # recent [1, k+1] -> [1, g]
@@ -410,8 +411,12 @@ class SuffixDrafter:
         Exact: the request's tree is run ahead over the unconsumed ids (``consume`` then finds
         them there)."""
         best = self.candidate(state, recent[0, -1:], self.num_speculative_tokens, recent[0, :-1].tolist())
-        kept = best.probs if best.tokens and best.score >= self.min_score else []
+        kept = best.probs[:len(self._kept(best))]
         return torch.tensor([conditionals(kept)], dtype=torch.float32).reshape(1, len(kept))
+
+    def _kept(self, best: Candidate) -> list[int]:
+        """The candidate's tokens if it is proposed (a match scoring ≥ ``min_score``), else none."""
+        return best.tokens if best.tokens and best.score >= self.min_score else []
 
     def candidate(self, state: SuffixState, last_token: Tensor, gamma: int, ahead: Sequence[int] = ()) -> Candidate:
         """The best candidate of at most ``gamma`` tokens after ``last_token`` [1] (``speculate``

@@ -22,8 +22,9 @@ the drafter consumes them when the row drafts again (``flush``), so cap-0 rounds
 plain decoding costs. A drafter declaring ``Capability.PREVIEWS`` (suffix decoding, the hybrid)
 tells, before the cap is picked, the confidences of the draft it will make (a lookup over the
 row's ids, deferred ones included), so an adaptive cap is priced on this round's own draft
-(draft-then-decide) rather than on the last round's. Knows the drafter's engine protocol, the chain's drafting step and the
-draft-length policy; nothing about verification or the target cache.
+(draft-then-decide) rather than on the last round's. Knows the drafter's engine protocol, the
+chain's drafting step and the draft-length policy; nothing about verification or the target
+cache.
 """
 
 from __future__ import annotations
