@@ -23,7 +23,8 @@ number it holds. Nothing about τ is asserted.
 Any drafter the config names trains on rollouts that hold its taps (``conf=eagle3.yaml
 "drafter.layer_ids=[1,14,27]"`` on rollouts captured for DSpark at [1, 8, 14, 20, 27]): the
 records keep only the drafter's layers; a tap that was not captured is refused by name. Same
-data, budgets, epochs and seed give the same records and steps for every drafter.
+data, budgets, epochs and seed give the same records and steps for every drafter. The drafter
+trains with the config's objective (one: ``train.objectives``), e.g. Domino's curriculum.
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ from components.drafters.checkpoint import save_drafter
 from components.drafters.registry import resolve_layer_ids
 from components.target import load_target
 from components.tracking import Tracker
+from components.training.chain import ObjectiveStage, resolve_chain
 from components.training.heldout import heldout_ids
+from components.training.objectives import ObjectiveContext, build_objective
 from components.training.padding import collate, supervised_tokens
-from components.training.step import new_train_state, train_step
+from components.training.step import build_train_loss, new_train_state, train_step
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -85,6 +88,16 @@ def budget_records(train_set: list[Record], budget: int) -> list[Record]:
     return picked
 
 
+def only_stage(cfg: Any) -> ObjectiveStage:
+    """The config's one objective (``train.objectives: [base_anchored]`` for Domino's curriculum);
+    a chain is refused: its stages would need their own step counts."""
+    stages = resolve_chain(cfg.train)
+    if len(stages) != 1:
+        raise SystemExit(f"train.objectives: {[s.name for s in stages]}; this bench trains one objective per "
+                         "budget (set train.objectives=[<one>])")
+    return stages[0]
+
+
 def train_budget(cfg: Any, target: Any, records: list[Record], counts: torch.Tensor, epochs: float) -> tuple[Any, dict]:
     torch.manual_seed(cfg.train.seed)
     drafter = build_drafter(cfg.drafter, target)
@@ -92,7 +105,10 @@ def train_budget(cfg: Any, target: Any, records: list[Record], counts: torch.Ten
         with_draft_vocab(drafter, target, counts)
     batch = cfg.train.batch_size * cfg.train.num_workers
     steps = max(1, math.ceil(epochs * len(records) / batch))
-    state = new_train_state(drafter, cfg.train, steps, seed=cfg.train.seed)
+    stage = only_stage(cfg)
+    objective = build_objective(stage.name, drafter, build_train_loss(stage.train), stage.params,
+                                ObjectiveContext(target=target))
+    state = new_train_state(drafter, stage.train, steps, seed=cfg.train.seed, objective=objective)
     order = np.random.default_rng(cfg.train.seed).permutation(len(records))
     seconds, tokens, losses = [], 0, []
     for step in range(steps):
@@ -146,6 +162,7 @@ def main(argv: list[str]) -> None:
     args, overrides = parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = load_cli(overrides)
+    only_stage(cfg)  # refuses a chain before anything loads
     meta = load_manifest(Path(args.data))["meta"]
     cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, name_or_path=meta["target"]))
     target = load_target(cfg.target, progress=False)

@@ -211,13 +211,14 @@ def train_output(
     targets: bool = True,
     vocab: DraftVocab | None = None,
     confidence_logits: Tensor | None = None,  # [N, γ]
+    base_logits: Tensor | None = None,  # [N, γ, R] the backbone's logits before a causal head
 ) -> DraftTrainOutput:
     """The drafts with their targets (``block_targets``) and, with a draft vocabulary, the
     validity before its cut (``reachable``)."""
     gamma = draft_logits.shape[1]
     target_logits, tokens, valid = block_targets(batch, anchors, gamma, shared, targets, vocab)
     reachable = block_tokens(batch, anchors, gamma)[1].view(-1, gamma) if vocab is not None else None
-    return DraftTrainOutput(draft_logits, target_logits, tokens, valid, confidence_logits, reachable)
+    return DraftTrainOutput(draft_logits, target_logits, tokens, valid, confidence_logits, reachable, base_logits)
 
 
 def rows_at_anchors(

@@ -50,6 +50,7 @@ class Capability(str, Enum):
     HEAD_START = "head_start"  # head_start: draft layers initialised from the target's last layers
     LEARNS_RESPONSES = "learns_responses"  # observe: finished responses teach it (suffix decoding's global tree)
     PREVIEWS = "previews"  # preview: the next draft's confidences known before drafting (draft-then-decide)
+    BASE_LOGITS = "base_logits"  # train_readout_base: the backbone's logits before a causal head (curricula)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -69,6 +70,7 @@ _METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.HEAD_START: ("head_start",),
     Capability.LEARNS_RESPONSES: ("observe",),
     Capability.PREVIEWS: ("preview",),
+    Capability.BASE_LOGITS: ("train_readout_base",),
 }
 
 
@@ -147,6 +149,13 @@ class Previews(Protocol):
         """The confidences [1, g] of the draft ``propose`` would make once the ids of ``recent``
         (committed since ``state`` last consumed, then the last token) are consumed: g = 0, it
         would propose nothing; None, not known before drafting. A cheap lookup, not a pass."""
+
+
+class BaseLogits(Protocol):
+    def train_readout_base(self, z: Tensor, prev: Tensor  # z [N, γ, H], prev [N, γ] long
+                           ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Teacher-forced logits [N, γ, R] after the causal head, confidence logits [N, γ] | None,
+        and the backbone's own logits [N, γ, R] before it (never None for a declaring drafter)."""
 
 
 class CausalTreeHead(Protocol):

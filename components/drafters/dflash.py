@@ -199,12 +199,17 @@ class DFlashDrafter(Drafter):
         zd = self.draft_states(z).reshape(-1, gamma, z.shape[-1])  # [N, γ, H]
         prev_pos = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(gamma, device=anchors.device)
         prev = gather_positions(batch.input_ids, prev_pos).reshape(-1, gamma)  # [N, γ] x_{a+j}
-        logits, conf = self.train_readout(zd, prev)
-        return train_output(logits, batch, anchors, self.shared, targets, self.vocab, conf)
+        logits, conf, base = self.train_readout_base(zd, prev)
+        return train_output(logits, batch, anchors, self.shared, targets, self.vocab, conf, base)
 
     def train_readout(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
         """z [N, γ, H], previous target tokens prev [N, γ] → logits [N, γ, R], confidence [N, γ] | None."""
         return self.lm_head(z), None
+
+    def train_readout_base(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``train_readout`` plus the backbone's own logits [N, γ, R] before a causal head (None
+        without one; drafters that have one declare ``Capability.BASE_LOGITS``)."""
+        return (*self.train_readout(z, prev), None)
 
     # ---------------------------------------------------------------- inference
     def consume(self, state: DraftState, tokens: Tensor, hidden: Tensor) -> DraftState:

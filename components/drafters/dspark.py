@@ -104,14 +104,20 @@ class DSparkDrafter(DFlashDrafter):
             raise DrafterError(f"drafter.markov_head: '{kind}' is not one of {HEAD_TYPES}")
         if kind != "none" and rank <= 0:
             raise DrafterError(f"drafter.markov_rank must be > 0 for markov_head='{kind}', got {rank}")
-        vocab, hidden = spec.target.vocab_size, self.sizes.hidden_size
-        head_cls = {"linear": MarkovHead, "rnn": RNNHead}.get(kind)
-        self.markov_head = head_cls(vocab, hidden, rank, self.readout_size) if head_cls is not None else None
+        hidden = self.sizes.hidden_size
+        self.markov_head = self.build_causal_head(kind, rank)
         conf_rank = rank if self.markov_head is not None else 0
         self.confidence_head = ConfidenceHead(hidden, conf_rank) if self.cfg.enable_confidence_head else None
         for module in (self.markov_head, self.confidence_head):
             if module is not None:
                 init_weights(module)
+
+    def build_causal_head(self, kind: str, rank: int) -> nn.Module | None:
+        """The causal head ``drafter.markov_head`` names (None: none; Domino builds its own)."""
+        head_cls = {"linear": MarkovHead, "rnn": RNNHead}.get(kind)
+        if head_cls is None:
+            return None
+        return head_cls(self.spec.target.vocab_size, self.sizes.hidden_size, rank, self.readout_size)
 
     def _confidence(self, z: Tensor, prev: Tensor) -> Tensor | None:  # [..., H], [...] -> [...]
         if self.confidence_head is None:
@@ -121,10 +127,15 @@ class DSparkDrafter(DFlashDrafter):
 
     def train_readout(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None]:
         """z [N, γ, H], prev [N, γ] (anchor then data tokens) → logits [N, γ, R], c [N, γ]."""
-        logits = self.lm_head(z)
-        if self.markov_head is not None:
-            logits = logits + self.markov_head.teacher_forced(z, prev)
-        return logits, self._confidence(z, prev)
+        logits, conf, _ = self.train_readout_base(z, prev)
+        return logits, conf
+
+    def train_readout_base(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``train_readout`` and the backbone's own logits lm_head(z) (None without a causal head)."""
+        base = self.lm_head(z)
+        if self.markov_head is None:
+            return base, self._confidence(z, prev), None
+        return base + self.markov_head.teacher_forced(z, prev), self._confidence(z, prev), base
 
     def sample_readout(self, z: Tensor, last_token: Tensor, sampling: SamplingParams,
                        generator: torch.Generator | None) -> Proposal:
@@ -150,7 +161,7 @@ class DSparkDrafter(DFlashDrafter):
     def capabilities(self) -> frozenset[Capability]:
         caps = set(super().capabilities()) | {Capability.SLOT_HEADS}
         if self.markov_head is not None:  # the tree head's path dependence is the Markov bias
-            caps.add(Capability.CAUSAL_TREE_HEAD)
+            caps |= {Capability.CAUSAL_TREE_HEAD, Capability.BASE_LOGITS}
         return frozenset(caps)
 
     def causal_tree_head(self, z: Tensor):  # z [γ, H] one proposal's slot states -> CausalHead

@@ -84,18 +84,29 @@ class DraftTrainOutput:
     valid: Tensor  # [N, γ] bool, truncated at the first invalid position of each block
     confidence_logits: Tensor | None = None  # [N, γ] confidence head logits c_k
     reachable: Tensor | None = None  # [N, γ] bool, valid before the draft-vocabulary cut (None: = valid)
+    base_logits: Tensor | None = None  # [N, γ, R] the backbone's own logits before a causal head
+    # (None: the drafter has no such head; the base-anchored curriculum trains them)
 
     def checkable(self) -> Tensor:  # [N, γ] bool
         """Drafts a greedy round checks: ``reachable`` (a data token outside the draft vocabulary
         is checked and rejected), else ``valid``."""
         return self.valid if self.reachable is None else self.reachable
 
-    def loss_inputs(self, position_weights: Tensor | None = None) -> LossInputs:
+    def loss_inputs(self, position_weights: Tensor | None = None, base: bool = False) -> LossInputs:
+        """The losses' view of the drafts; ``base=True``: of the backbone's own logits instead,
+        with the confidence logits detached (the confidence head trains on the drafts only)."""
         if self.target_logits is None:
             raise DrafterError("loss_inputs: this output has no target logits (training_forward ran with "
                                "targets=False); run it with targets=True to compute a loss")
-        return LossInputs(self.draft_logits, self.target_logits, self.target_tokens, self.valid,
-                          position_weights, self.confidence_logits)
+        if not base:
+            return LossInputs(self.draft_logits, self.target_logits, self.target_tokens, self.valid,
+                              position_weights, self.confidence_logits)
+        if self.base_logits is None:
+            raise DrafterError("loss_inputs(base=True): this drafter's output has no base logits "
+                               "(only drafters with a causal head over a parallel backbone have them)")
+        conf = self.confidence_logits.detach() if self.confidence_logits is not None else None
+        return LossInputs(self.base_logits, self.target_logits, self.target_tokens, self.valid,
+                          position_weights, conf)
 
 
 @dataclass

@@ -61,6 +61,8 @@ class TrainState:
     epoch: int = 0  # epoch in progress
     batch_in_epoch: int = 0  # batches of ``epoch`` already consumed
     autocast: torch.dtype | None = None  # mixed precision of the forward (None: off)
+    total_steps: int = 0  # optimizer steps planned (a curriculum's schedule)
+    inner: nn.Module | None = None  # the objective inside any DDP/FSDP wrapper (None: ``objective``)
 
 
 def build_train_loss(cfg: TrainConfig) -> DrafterLoss:
@@ -86,6 +88,7 @@ def new_train_state(drafter: Drafter, cfg: TrainConfig, total_steps: int, seed: 
         from components.training.objectives import build_objective
 
         objective = build_objective("offline", drafter, build_train_loss(cfg))
+    inner = objective
     if wrap is not None:
         objective = wrap(objective)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -96,7 +99,7 @@ def new_train_state(drafter: Drafter, cfg: TrainConfig, total_steps: int, seed: 
     check_strategy(cfg.strategy)
     device = next(drafter.parameters()).device
     return TrainState(drafter, objective, optimizer, scheduler, generator,
-                      autocast=autocast_dtype(cfg.mixed_precision, device))
+                      autocast=autocast_dtype(cfg.mixed_precision, device), total_steps=total_steps, inner=inner)
 
 
 def _check(ok: bool, agree: Agree | None, what: str, step: int) -> None:
@@ -112,6 +115,7 @@ def train_step(state: TrainState, batch: DraftBatch, grad_clip: float = 1.0,
     """One optimizer step on ``batch``; advances ``state.step``; returns float metrics."""
     t0 = time.perf_counter()
     state.objective.train()
+    (state.inner or state.objective).at_step(state.step, state.total_steps)
     state.optimizer.zero_grad(set_to_none=True)
     device = batch.input_ids.device
     with torch.autocast(device.type, dtype=state.autocast or torch.bfloat16, enabled=state.autocast is not None):

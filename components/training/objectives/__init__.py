@@ -9,13 +9,14 @@ the previous one produced.
 - ``opd``: Draft-OPD: blocks where simulated greedy rounds start, two-stream OPD loss;
 - ``dloop``: DLoop loop-aware training: later stages read the drafter's own states;
 - ``carryover``: draft → verify → re-draft with the target's rejected states as extra context;
-- ``edr``: the expected number of rounds over each whole rollout, exactly (blocks at every anchor).
+- ``edr``: the expected number of rounds over each whole rollout, exactly (blocks at every anchor);
+- ``base_anchored``: Domino's curriculum, the loss moved from the backbone's logits to the causal head's.
 
 Objectives register with ``@register_objective(name)``; nothing outside this package branches
 on an objective's name.
 """
 
-from components.training.objectives import carryover, dloop, edr, offline, opd  # noqa: F401  (registers them)
+from components.training.objectives import carryover, curriculum, dloop, edr, offline, opd  # noqa: F401  (registers them)
 from components.training.objectives.base import (
     OBJECTIVES,
     Objective,

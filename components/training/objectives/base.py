@@ -50,6 +50,10 @@ class Objective(nn.Module):
     def context(self) -> ObjectiveContext:
         return self._context[0]
 
+    def at_step(self, step: int, total: int) -> None:
+        """Called before each training step's forward with the optimizer steps done and planned
+        (a curriculum reads its schedule here; the default ignores it)."""
+
     def forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> tuple[Tensor, LossOutput]:
         raise NotImplementedError
 

@@ -13,7 +13,10 @@ EXPECTED = {  # name -> capabilities with the test config below (carryover off, 
                Capability.BLOCK_INTERNALS, Capability.HEAD_START},
     "dspark": {Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.OWN_CONTEXT,
                Capability.BLOCK_INTERNALS, Capability.SLOT_HEADS, Capability.CAUSAL_TREE_HEAD,
-               Capability.HEAD_START},
+               Capability.HEAD_START, Capability.BASE_LOGITS},
+    "domino": {Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.OWN_CONTEXT,
+               Capability.BLOCK_INTERNALS, Capability.CAUSAL_TREE_HEAD, Capability.HEAD_START,
+               Capability.BASE_LOGITS},
     "eagle3": {Capability.BATCHED_PROPOSE},
     "medusa": {Capability.BATCHED_PROPOSE},
     "mtp": {Capability.BATCHED_PROPOSE},
@@ -42,7 +45,8 @@ def test_carryover_follows_the_config(tiny_target, dr, name):
 
 
 def test_causal_tree_head_needs_a_markov_head(tiny_target, dr):
-    assert not has(dr.make(tiny_target, "dspark", markov_head="none"), Capability.CAUSAL_TREE_HEAD)
+    plain = dr.make(tiny_target, "dspark", markov_head="none")
+    assert not has(plain, Capability.CAUSAL_TREE_HEAD) and not has(plain, Capability.BASE_LOGITS)
 
 
 def test_require_names_feature_drafter_and_capability(tiny_target, dr):

@@ -163,7 +163,8 @@ def test_chain_resolves_losses_and_overrides_and_names_mistakes():
 # beyond the core interface.
 REQUIRES = {"dloop": (Capability.BLOCK_INTERNALS, Capability.OWN_CONTEXT),
             "carryover": (Capability.BLOCK_INTERNALS, Capability.CARRYOVER),
-            "edr": (Capability.BLOCK_INTERNALS,)}
+            "edr": (Capability.BLOCK_INTERNALS,),
+            "base_anchored": (Capability.BASE_LOGITS,)}
 
 
 def _declaring(target, monkeypatch, keep):
