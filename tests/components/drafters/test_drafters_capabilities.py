@@ -18,6 +18,7 @@ EXPECTED = {  # name -> capabilities with the test config below (carryover off, 
                Capability.BLOCK_INTERNALS, Capability.CAUSAL_TREE_HEAD, Capability.HEAD_START,
                Capability.BASE_LOGITS},
     "eagle3": {Capability.BATCHED_PROPOSE},
+    "peagle": {Capability.BATCHED_PROPOSE},
     "medusa": {Capability.BATCHED_PROPOSE},
     "mtp": {Capability.BATCHED_PROPOSE},
 }
