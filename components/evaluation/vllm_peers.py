@@ -44,7 +44,7 @@ from components.config import ConfigError, EvalConfig
 from components.drafters.base import DrafterError
 from components.evaluation.context import EvalContext, Method
 from components.evaluation.metrics import PromptRun, tau
-from components.export import ExportError, export_vllm, vllm_method
+from components.export import ExportError, export_vllm, vllm_speculative_config
 from components.export.vllm import LAYOUTS
 from components.export.vllm_check import REFUSED_ON_CPU
 
@@ -131,7 +131,7 @@ def exported_drafter(ctx: EvalContext, workdir: Path) -> dict[str, Any]:
     ctx.notes["vllm_drafter"] = {"drafter": drafter.registry_name, "export_layout": layout,
                                  "num_speculative_tokens": gamma,
                                  **({"carryover": "exported without carryover"} if ctx.ev.carryover else {})}
-    return {"method": vllm_method(drafter), "model": str(path), "num_speculative_tokens": gamma}
+    return vllm_speculative_config(drafter, path, gamma)
 
 
 VLLM_METHODS: dict[str, Method] = {

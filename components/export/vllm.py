@@ -19,6 +19,10 @@ target's alone (tests/components/export/test_export_vllm.py).
   ``norm``, ``layers.{i}.*`` (+ ``markov_head.*``, ``confidence_head.*``); embedding/LM head
   shared from the target. vLLM's DSpark has a linear Markov head only: ``markov_head`` "rnn" and
   "none" are refused.
+* peagle — speculators only: EAGLE-3's layout with ``speculators_model_type: "peagle"``,
+  ``mask_token_id``, ``mask_hidden`` [1, n·H] and the draft's own ``embed_tokens`` (the target's
+  table, the mask token's row set to the learned mask embedding); vLLM runs it as eagle3 with
+  ``parallel_drafting`` (``vllm_speculative_config``).
 * medusa — native: ``architectures: ["MedusaModel"]``, ``blocks.{k}.layers.{j}`` (with biases:
   ``medusa_fc_bias: true``, vLLM's default is false), ``lm_heads.{k}``.
 
@@ -158,6 +162,29 @@ def eagle3_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str,
     return config, tensors
 
 
+def peagle_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str, Any], Tensors]:
+    """EAGLE-3's speculators layout with ``speculators_model_type: "peagle"`` (vLLM: method eagle3
+    with ``parallel_drafting``): ``mask_hidden`` [n·H] as is (vLLM fuses it by ``fc`` as we do);
+    the mask rows' token is ``mask_token_id`` read through the draft's own ``embed_tokens``, the
+    target's table with that row set to the learned ``mask_embed`` (vLLM keeps a draft table that
+    differs from the target's)."""
+    if layout != "speculators":
+        raise ExportError("peagle: vLLM 0.32 reads P-EAGLE from the speculators layout only (layout='speculators')")
+    mask_id = drafter.cfg.mask_token_id
+    if mask_id is None:
+        raise ExportError("peagle: vLLM feeds the mask rows a token id; set drafter.mask_token_id (any id: its "
+                          "embedding row is replaced by the learned mask embedding in the exported table)")
+    config, tensors = eagle3_export(drafter, target, layout)
+    embed = drafter.shared.embed_tokens.weight.detach().cpu().clone()
+    embed[int(mask_id)] = tensors.pop("mask_embed").to(embed.dtype)
+    tensors["embed_tokens.weight"] = embed
+    tensors["mask_hidden"] = tensors["mask_hidden"].view(1, -1)  # vLLM's buffer is [1, n·H]
+    config.update({"architectures": ["PEagleSpeculator"], "speculators_model_type": "peagle",
+                   "speculators_config": speculators_config(drafter, target, "peagle"),
+                   "mask_token_id": int(mask_id)})
+    return config, tensors
+
+
 def block_fields(drafter: Drafter) -> dict[str, Any]:
     """DSpark head fields; empty for a drafter that declares no slot heads (DFlash)."""
     if not has(drafter, Capability.SLOT_HEADS):
@@ -217,9 +244,11 @@ def medusa_export(drafter: Drafter, target: Any, layout: str) -> tuple[dict[str,
 
 
 VLLM_EXPORTERS: dict[str, Callable[[Drafter, Any, str], tuple[dict[str, Any], Tensors]]] = {
-    "eagle3": eagle3_export, "dflash": block_export, "dspark": block_export, "medusa": medusa_export,
+    "eagle3": eagle3_export, "peagle": peagle_export, "dflash": block_export, "dspark": block_export,
+    "medusa": medusa_export,
 }
-VLLM_METHODS = {"eagle3": "eagle3", "dflash": "dflash", "dspark": "dspark", "medusa": "medusa"}
+VLLM_METHODS = {"eagle3": "eagle3", "peagle": "eagle3", "dflash": "dflash", "dspark": "dspark", "medusa": "medusa"}
+VLLM_EXTRA = {"peagle": {"parallel_drafting": True}}  # speculative_config keys beyond the method
 
 
 # ----------------------------------------------------------------------------- writing
@@ -249,3 +278,10 @@ def export_vllm(drafter: Drafter, target: Any, path: str | Path, layout: str = "
 def vllm_method(drafter: Drafter) -> str:
     """The ``speculative_config.method`` for the exported drafter (set it: vLLM guesses otherwise)."""
     return VLLM_METHODS[drafter.registry_name]
+
+
+def vllm_speculative_config(drafter: Drafter, path: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for the drafter exported at ``path``: the method and, for
+    P-EAGLE, ``parallel_drafting`` (which an explicit method does not imply)."""
+    return {"method": vllm_method(drafter), "model": str(path), "num_speculative_tokens": int(num_speculative_tokens),
+            **VLLM_EXTRA.get(drafter.registry_name, {})}

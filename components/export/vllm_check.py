@@ -129,6 +129,10 @@ def weight_report(model: Any, export_dir: str, target_model: Any | None) -> dict
             "ok": not unused and not uninitialized}
 
 
+# Buffers vLLM's loaders fill from a checkpoint (P-EAGLE's mask_hidden): checked as parameters are
+LOADED_BUFFERS = ("mask_hidden",)
+
+
 def snapshot_loaded_weights() -> None:
     """Makes vLLM's loader keep a copy of every model's parameters as loaded (before repacking)."""
     from vllm.model_executor.model_loader import base_loader
@@ -139,6 +143,8 @@ def snapshot_loaded_weights() -> None:
 
     def wrapped(model: Any, *args: Any, **kwargs: Any) -> Any:
         model._specline_loaded = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        model._specline_loaded.update({n: b.detach().clone() for n, b in model.named_buffers()
+                                       if n.rsplit(".", 1)[-1] in LOADED_BUFFERS})
         return original(model, *args, **kwargs)
 
     wrapped._specline = True
@@ -231,6 +237,13 @@ def _load_only(target: str, spec: dict[str, Any], args: argparse.Namespace) -> d
     return {"parsed": parsed, "weights": report}
 
 
+def parallel_drafting(path: str) -> dict[str, Any]:
+    """``parallel_drafting: true`` for a P-EAGLE export: what vLLM's speculators parser sets for
+    ``speculators_model_type: peagle``, which an explicit ``method`` (eagle3) does not."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return {"parallel_drafting": True} if config.get("speculators_model_type") == "peagle" else {}
+
+
 def check(args: argparse.Namespace) -> dict[str, Any]:
     snapshot_loaded_weights()
     result: dict[str, Any] = {"target": args.target, "prompts": PROMPTS, "max_tokens": args.max_tokens}
@@ -243,8 +256,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for i, (path, method) in enumerate(zip(args.drafter_export, args.method)):
         k = args.num_speculative_tokens[i] if i < len(args.num_speculative_tokens) else None
-        spec = {"method": method, "model": path, "num_speculative_tokens": k}
-        run: dict[str, Any] = {"method": method, "model": path, "num_speculative_tokens": k}
+        spec = {"method": method, "model": path, "num_speculative_tokens": k, **parallel_drafting(path)}
+        run: dict[str, Any] = {"method": method, "model": path, "num_speculative_tokens": k, **parallel_drafting(path)}
         t0 = time.time()
         try:
             llm = _llm(args.target, spec, args)

@@ -18,6 +18,7 @@ from components.export import (
     sglang_export,
     vllm_export,
     vllm_method,
+    vllm_speculative_config,
 )
 
 LAYER = [
@@ -67,6 +68,26 @@ def test_eagle3_vllm_speculators(tiny_target, tmp_path):
     assert {f"layers.0.{k}" for k in LAYER} | {"layers.0.hidden_norm.weight"} <= set(t)
     assert not any(k.startswith("midlayer.") for k in t)
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_peagle_vllm_speculators(tiny_target):
+    """EAGLE-3's layout as speculators_model_type peagle: mask_hidden as vLLM's [1, n·H] buffer,
+    the mask embedding in the draft's own table at the mask token's row; run with parallel drafting."""
+    d = make(tiny_target, "peagle", num_layers=1, ttt_steps=4)
+    config, t = vllm_export(d, tiny_target, "speculators")
+    _, te = vllm_export(make(tiny_target, "eagle3", num_layers=1, ttt_steps=4), tiny_target, "speculators")
+    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == d.cfg.mask_token_id
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert set(t) == set(te) | {"mask_hidden", "embed_tokens.weight"}
+    assert torch.equal(t["mask_hidden"], d.mask_hidden.detach().view(1, -1))
+    embed, mask_id = t["embed_tokens.weight"], d.cfg.mask_token_id
+    assert torch.equal(embed[mask_id], d.mask_embed.detach())
+    others = torch.arange(embed.shape[0]) != mask_id
+    assert torch.equal(embed[others], tiny_target.model.get_input_embeddings().weight.detach()[others])
+    spec = vllm_speculative_config(d, "/x", 4)
+    assert spec == {"method": "eagle3", "model": "/x", "num_speculative_tokens": 4, "parallel_drafting": True}
+    with pytest.raises(ExportError, match="speculators layout only"):
+        vllm_export(d, tiny_target, "native")
 
 
 @pytest.mark.parametrize("name", ["dflash", "dspark"])
@@ -141,7 +162,7 @@ def test_medusa_native(tiny_target):
 
 
 def test_unsupported_exports_named(tiny_target):
-    with pytest.raises(ExportError, match="no vLLM layout for drafter 'mtp'.*dflash, dspark, eagle3, medusa"):
+    with pytest.raises(ExportError, match="no vLLM layout for drafter 'mtp'.*dflash, dspark, eagle3, medusa, peagle"):
         vllm_export(make(tiny_target, "mtp"), tiny_target)
     with pytest.raises(ExportError, match="layout 'hf'"):
         vllm_export(make(tiny_target, "dflash"), tiny_target, "hf")

@@ -40,6 +40,7 @@ pytestmark = [
 EXPORTS = [
     ("eagle3-speculators", {"name": "eagle3"}, "speculators"),
     ("eagle3-native", {"name": "eagle3"}, "native"),
+    ("peagle-speculators", {"name": "peagle"}, "speculators"),
     ("dflash-speculators", {"name": "dflash", "num_layers": 2}, "speculators"),
     ("dflash-native", {"name": "dflash", "num_layers": 2}, "native"),
     ("medusa-native", {"name": "medusa", "medusa_heads": 3}, "native"),
@@ -93,6 +94,7 @@ def test_vllm_loads_and_is_lossless(vllm_results, eid):
     assert w["unused"] == [] and w["uninitialized"] == [], w  # every export tensor landed, nothing left at init
     assert len(w["placed"]) + len(w["ignored_by_design"]) == w["export_tensors"]
     assert run["outputs_equal"], (run.get("outputs"), report["reference"])
+    assert run.get("parallel_drafting", False) == (drafters[eid].registry_name == "peagle")
     acc = run["acceptance"]
     # vLLM's counters: rounds (num_drafts) × γ = draft tokens
     assert acc["num_drafts"] > 0 and acc["num_draft_tokens"] == acc["num_drafts"] * drafters[eid].num_speculative_tokens
