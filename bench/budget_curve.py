@@ -158,8 +158,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str]) -> None:
-    args, overrides = parse_args(argv)
+def curve(args: argparse.Namespace, overrides: list[str]) -> list[dict[str, Any]]:
+    """Trains and measures the config's drafter at each of ``args.budgets``; writes ``args.out``
+    (curve.json, curve.png, each drafter) and returns one row per budget."""
     torch.set_num_threads(args.threads)
     cfg = load_cli(overrides)
     only_stage(cfg)  # refuses a chain before anything loads
@@ -194,6 +195,12 @@ def main(argv: list[str]) -> None:
         rows.append(row)
         (out / "curve.json").write_text(json.dumps(rows, indent=1) + "\n")
     plot(rows, out / "curve.png")
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    args, overrides = parse_args(argv)
+    rows = curve(args, overrides)
     print(f"\n{'budget':>9} {'records':>7} {'steps':>6} {'train s':>8} {'τ (1−TV)':>9} {'sim τ':>6} {'α1':>6} "
           f"{'engine τ':>9} {'speedup':>8}")
     for r in rows:
