@@ -16,7 +16,7 @@ from components.drafters.registry import DRAFTERS
 from components.tracking import Tracker
 from pipelines import full
 
-PRESETS = ["dflash", "domino", "eagle3", "peagle", "medusa", "mtp"]
+PRESETS = ["dflash", "dflash2", "domino", "eagle3", "peagle", "medusa", "mtp"]
 
 # test_full's SMALL, with one Ray Train worker and the tiny target's layers 1 and 3 for every drafter
 TINY = ["data.max_prompts=10", "data.max_new_tokens=12", "data.batch_size=5", "data.shard_size=5",
