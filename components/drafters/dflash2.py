@@ -70,16 +70,10 @@ class DFlash2Layer(DecoderLayer):
 
     def forward(self, x: Tensor, positions: Tensor, extra_kv: KV | None = None,
                 mask: Tensor | None = None) -> tuple[Tensor, KV]:  # as DecoderLayer.forward
-        h = self.conv_attn_in(self.input_layernorm(x))
-        q = self.self_attn.project_q(h, positions)
-        k, v = self.self_attn.project_kv(h, positions)
-        if extra_kv is not None:
-            keys, values = torch.cat([extra_kv[0], k], dim=2), torch.cat([extra_kv[1], v], dim=2)
-        else:
-            keys, values = k, v
-        x = x + self.conv_attn_out(self.self_attn.attend(q, keys, values, mask))
+        attn, kv = self.attention(self.conv_attn_in(self.input_layernorm(x)), positions, extra_kv, mask)
+        x = x + self.conv_attn_out(attn)
         x = x + self.conv_mlp_out(self.mlp(self.conv_mlp_in(self.post_attention_layernorm(x))))
-        return x, (k, v)
+        return x, kv
 
 
 class Selector(nn.Module):

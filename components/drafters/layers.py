@@ -134,16 +134,21 @@ class DecoderLayer(nn.Module):
         mask: Tensor | None = None,  # [B|1, 1, T, S + T] bool, True = attend
     ) -> tuple[Tensor, KV]:
         """Returns the layer output [B, T, H] and x's own (k, v) [B, h_kv, T, d]."""
-        h = self.input_layernorm(x)
+        attn, kv = self.attention(self.input_layernorm(x), positions, extra_kv, mask)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+    def attention(self, h: Tensor, positions: Tensor, extra_kv: KV | None, mask: Tensor | None) -> tuple[Tensor, KV]:
+        """The attention sublayer on normed rows h [B, T, H] (extra keys/values first) → its
+        output [B, T, H] and h's own (k, v) [B, h_kv, T, d]."""
         q = self.self_attn.project_q(h, positions)
         k, v = self.self_attn.project_kv(h, positions)
         if extra_kv is not None:
             keys, values = torch.cat([extra_kv[0], k], dim=2), torch.cat([extra_kv[1], v], dim=2)
         else:
             keys, values = k, v
-        x = x + self.self_attn.attend(q, keys, values, mask)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, (k, v)
+        return self.self_attn.attend(q, keys, values, mask), (k, v)
 
 
 def pad_kv_rows(rows: list[KV | None], device: torch.device) -> tuple[KV | None, Tensor]:

@@ -14,8 +14,7 @@ from components.engine import SpeculativeEngine, target_only_generate
 from components.engine.batch import BatchEngine, Request
 from components.spec.sampling import GREEDY, SamplingParams, probs_from_logits
 from tests.components.drafters.conftest import make_drafter, run_target
-
-TEXTS = ["def main(args):\n    ", "x = 1", "class Foo:\n    def __init__(self", "import os\nimport sys\n"]
+from tests.components.drafters.test_drafters_propose_many import TEXTS, row_states
 
 
 def domino(target, **overrides):
@@ -79,16 +78,6 @@ def test_tree_head_reads_the_path(tiny_target):
         logits, _ = d.train_readout(z[None, :n], paths[i:i + 1, :n])
         want = torch.log_softmax(logits[0, -1].float(), -1)[cand[i]]
         torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
-
-
-def row_states(target, d):
-    states, last = [], []
-    for text in TEXTS:
-        p = target.tokenizer(text)["input_ids"]
-        hidden = target.forward(torch.tensor([p]), layer_ids=d.layer_ids).hidden
-        states.append(d.consume(d.init_state(1), torch.tensor([p[:-1]]), hidden[:, :-1]))
-        last.append(p[-1])
-    return states, last
 
 
 def test_propose_many_equals_propose_per_row(tiny_target):
