@@ -51,6 +51,7 @@ class Capability(str, Enum):
     LEARNS_RESPONSES = "learns_responses"  # observe: finished responses teach it (suffix decoding's global tree)
     PREVIEWS = "previews"  # preview: the next draft's confidences known before drafting (draft-then-decide)
     BASE_LOGITS = "base_logits"  # train_readout_base: the backbone's logits before a causal head (curricula)
+    ROUND_LIMIT = "round_limit"  # max_speculative_tokens: the most one round (block, pass) can draft
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -71,6 +72,7 @@ _METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.LEARNS_RESPONSES: ("observe",),
     Capability.PREVIEWS: ("preview",),
     Capability.BASE_LOGITS: ("train_readout_base",),
+    Capability.ROUND_LIMIT: ("max_speculative_tokens",),
 }
 
 

@@ -302,7 +302,7 @@ class DFlashDrafter(Drafter):
 
     def capabilities(self) -> frozenset[Capability]:
         caps = {Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.OWN_CONTEXT,
-                Capability.BLOCK_INTERNALS, Capability.HEAD_START}
+                Capability.BLOCK_INTERNALS, Capability.HEAD_START, Capability.ROUND_LIMIT}
         if self.cfg.carryover:  # carry_embed exists only then
             caps.add(Capability.CARRYOVER)
         return frozenset(caps)

@@ -177,4 +177,4 @@ class PEagleDrafter(Eagle3Drafter):
         return out
 
     def capabilities(self) -> frozenset[Capability]:
-        return frozenset({Capability.BATCHED_PROPOSE})
+        return frozenset({Capability.BATCHED_PROPOSE, Capability.ROUND_LIMIT})

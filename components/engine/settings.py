@@ -66,10 +66,13 @@ def resolve_settings(drafter: Any, num_speculative_tokens: int | None = None,
 
 def _check_gamma(drafter: Any, gamma: int) -> None:
     """The engine's γ may differ from the drafter's configured one (which the registry checked
-    when it built the drafter): a block drafter still drafts at most one block per stage."""
-    if has(drafter, Capability.BLOCK_INTERNALS) and gamma > drafter.max_speculative_tokens:
+    when it built the drafter): a drafter declaring ``ROUND_LIMIT`` drafts at most
+    ``max_speculative_tokens`` a round (a block drafter one block per stage, P-EAGLE the depths it
+    was trained for)."""
+    if has(drafter, Capability.ROUND_LIMIT) and gamma > drafter.max_speculative_tokens:
+        per = "per block (DLoop stages add blocks: loop_stages)" if has(drafter, Capability.BLOCK_INTERNALS) else "a round"
         raise ValueError(f"num_speculative_tokens={gamma}: drafter '{drafter.cfg.name}' drafts "
-                         f"at most {drafter.max_speculative_tokens} per block (DLoop stages add blocks: loop_stages)")
+                         f"at most {drafter.max_speculative_tokens} {per}")
 
 
 def _check_loop(drafter: Any, loop_stages: int, carryover: bool) -> None:

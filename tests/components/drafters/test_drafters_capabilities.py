@@ -10,17 +10,17 @@ from components.drafters.registry import DRAFTERS
 
 EXPECTED = {  # name -> capabilities with the test config below (carryover off, linear Markov head)
     "dflash": {Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.OWN_CONTEXT,
-               Capability.BLOCK_INTERNALS, Capability.HEAD_START},
+               Capability.BLOCK_INTERNALS, Capability.HEAD_START, Capability.ROUND_LIMIT},
     "dspark": {Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.OWN_CONTEXT,
                Capability.BLOCK_INTERNALS, Capability.SLOT_HEADS, Capability.CAUSAL_TREE_HEAD,
-               Capability.HEAD_START, Capability.BASE_LOGITS},
+               Capability.HEAD_START, Capability.BASE_LOGITS, Capability.ROUND_LIMIT},
     "dflash2": {Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.OWN_CONTEXT,
-                Capability.BLOCK_INTERNALS, Capability.HEAD_START, Capability.BASE_LOGITS},
+                Capability.BLOCK_INTERNALS, Capability.HEAD_START, Capability.BASE_LOGITS, Capability.ROUND_LIMIT},
     "domino": {Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.OWN_CONTEXT,
                Capability.BLOCK_INTERNALS, Capability.CAUSAL_TREE_HEAD, Capability.HEAD_START,
-               Capability.BASE_LOGITS},
+               Capability.BASE_LOGITS, Capability.ROUND_LIMIT},
     "eagle3": {Capability.BATCHED_PROPOSE},
-    "peagle": {Capability.BATCHED_PROPOSE},
+    "peagle": {Capability.BATCHED_PROPOSE, Capability.ROUND_LIMIT},
     "medusa": {Capability.BATCHED_PROPOSE},
     "mtp": {Capability.BATCHED_PROPOSE},
 }
