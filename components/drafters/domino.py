@@ -82,6 +82,13 @@ class DominoDrafter(DSparkDrafter):
             raise DrafterError(f"drafter.markov_rank must be > 0 for domino (its GRU state and correction rank), got {rank}")
         return DominoHead(self.embed, self.sizes.hidden_size, rank, self.readout_size)
 
+    def train_readout_base(self, z: Tensor, prev: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """DSpark's, with the GRU run once for the correction and the confidence head alike."""
+        s = self.markov_head.prev_embed(prev)  # [N, γ, r]
+        base = self.lm_head(z)
+        conf = self.confidence_head(z, s) if self.confidence_head is not None else None
+        return base + self.markov_head.correction(z, s), conf, base
+
     def capabilities(self) -> frozenset[Capability]:
         return frozenset(super().capabilities() - {Capability.SLOT_HEADS})  # no vLLM layout to export to
 

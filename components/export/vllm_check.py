@@ -257,7 +257,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     for i, (path, method) in enumerate(zip(args.drafter_export, args.method)):
         k = args.num_speculative_tokens[i] if i < len(args.num_speculative_tokens) else None
         spec = {"method": method, "model": path, "num_speculative_tokens": k, **parallel_drafting(path)}
-        run: dict[str, Any] = {"method": method, "model": path, "num_speculative_tokens": k, **parallel_drafting(path)}
+        run: dict[str, Any] = dict(spec)
         t0 = time.time()
         try:
             llm = _llm(args.target, spec, args)
