@@ -120,7 +120,9 @@ def train_budget(cfg: Any, target: Any, records: list[Record], counts: torch.Ten
         if (step + 1) % 50 == 0 or step + 1 == steps:
             print(f"  step {step + 1}/{steps}, loss {statistics.mean(losses[-50:]):.3f}, "
                   f"{statistics.median(seconds):.2f} s/step", flush=True)
-    return drafter, {"steps": steps, "s_per_step": statistics.median(seconds), "train_seconds": sum(seconds),
+    return drafter, {"steps": steps, "gamma": drafter.num_speculative_tokens,
+                     "passes_per_round": drafter.sequential_passes(drafter.num_speculative_tokens),
+                     "s_per_step": statistics.median(seconds), "train_seconds": sum(seconds),
                      "supervised_tokens_per_s": tokens / sum(seconds), "loss_last50": statistics.mean(losses[-50:])}
 
 

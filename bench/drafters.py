@@ -1,6 +1,7 @@
 """Drafters side by side: each trained on the same rollouts, budget, steps and seed, then measured
 alike (held-out τ from distributions, simulated greedy τ, first-draft acceptance α1, and the eval
-stage's engine τ and speedup at the drafter's own γ, every output checked equal to plain decoding).
+stage's engine τ and speedup at the drafter's own γ, every output checked equal to plain decoding),
+with each drafter's γ and its sequential drafter passes a round.
 
     python bench/drafters.py --data runs/data --budget 60000 [--epochs 5 --threads 2 --out bench-drafters] \\
         --drafter dspark --drafter dflash --drafter domino \\
@@ -95,10 +96,11 @@ def main(argv: list[str]) -> None:
         rows.append({"label": label, "drafter": name, "overrides": own + shared, **row})
         (out / "drafters.json").write_text(json.dumps(rows, indent=1) + "\n")
     plot(rows, out / "drafters.png")
-    print(f"\n{'drafter':<16} {'steps':>6} {'s/step':>7} {'τ (1−TV)':>9} {'sim τ':>6} {'α1':>6} {'engine τ':>9} "
-          f"{'speedup':>8}")
+    print(f"\n{'drafter':<16} {'γ':>3} {'passes':>6} {'steps':>6} {'s/step':>7} {'τ (1−TV)':>9} {'sim τ':>6} {'α1':>6} "
+          f"{'engine τ':>9} {'speedup':>8}")
     for r in rows:
-        print(f"{r['label']:<16} {r['steps']:>6} {r['s_per_step']:>7.2f} {r['tau_tv']:>9.3f} {r['sim_tau']:>6.3f} "
+        print(f"{r['label']:<16} {r['gamma']:>3} {r['passes_per_round']:>6} {r['steps']:>6} {r['s_per_step']:>7.2f} "
+              f"{r['tau_tv']:>9.3f} {r['sim_tau']:>6.3f} "
               f"{r['alpha1']:>6.3f} {r.get('engine_tau', float('nan')):>9.3f} {r.get('speedup', float('nan')):>7.2f}x")
 
 

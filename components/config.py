@@ -144,6 +144,9 @@ class DrafterConfig:
     medusa_heads: int = 4  # Medusa: γ residual heads
     medusa_layers: int = 1  # Medusa: residual blocks per head
     mtp_depth: int = 1  # MTP: sequential modules (reused beyond the depth)
+    edit_passes: int = 2  # DEdit: editing passes after the first (unmasking) pass of a round
+    # D-Loop: draft slots the second pass takes from the first (the prefix); None: half the block's drafts
+    loop_prefix: int | None = None
     # γ, drafts per round, recorded in the checkpoint; None: the drafter's own (a block drafter's block:
     # block_size, or block_size - 1 without sample_from_anchor; ttt_steps / medusa_heads / mtp_depth)
     num_speculative_tokens: int | None = None

@@ -3,10 +3,20 @@
 The trainer and the engine use only :class:`Drafter` methods and :func:`build_drafter` /
 :func:`load_drafter` (a reduced draft vocabulary: ``vocab.py``, chosen by :func:`with_draft_vocab`);
 they never branch on a drafter's name. Importing this package registers
-the built-in families (dspark, dflash, dflash2, domino, eagle3, peagle, medusa, mtp).
+the built-in families (dspark, dflash, dflash2, domino, d_loop, dedit, eagle3, peagle, medusa, mtp).
 """
 
-from components.drafters import dflash, dflash2, domino, dspark, eagle3, medusa, mtp, peagle  # noqa: F401  (registration)
+from components.drafters import (  # noqa: F401  (registration)
+    dflash,
+    dflash2,
+    domino,
+    dspark,
+    eagle3,
+    medusa,
+    mtp,
+    multipass,
+    peagle,
+)
 from components.drafters.base import (
     LAYER_ID_CONVENTION,
     DraftBatch,

@@ -49,7 +49,8 @@ _TARGET_FIELDS = {  # config.json key -> (TargetInfo field, what it is called in
 _SIZE_FIELDS = ("hidden_size", "rope_theta", "rms_norm_eps")
 # Config fields added after the format's first version, with the value that reproduces the
 # behaviour of checkpoints written before them (so those still load).
-ADDED_FIELDS = {"carryover": False, "draft_vocab_size": None, "init_from_target": False}
+ADDED_FIELDS = {"carryover": False, "draft_vocab_size": None, "init_from_target": False, "edit_passes": 2,
+                "loop_prefix": None}
 RENAMED_FIELDS = {"num_drafts": "num_speculative_tokens"}  # old config.json name -> today's
 _META_FIELDS = ("architectures", "model_type", "specline_format_version", "layer_id_convention",
                 "target_model_id", "torch_dtype")
@@ -153,7 +154,9 @@ def check_weights(drafter: Drafter, tensors: dict[str, torch.Tensor], where: str
 
 
 def load_drafter(path: str | Path, target: Any, overrides: dict[str, Any] | None = None) -> Drafter:
-    """A drafter from a checkpoint directory, bound to ``target``'s shared embedding/LM head.
+    """A drafter from a checkpoint directory, bound to ``target``'s shared embedding/LM head, in
+    evaluation mode (as transformers' ``from_pretrained``: a trainer switches it to training, which
+    changes what e.g. DEdit's ``training_forward`` computes).
 
     ``overrides``: drafter config fields to change (a training objective that adds parts, e.g.
     a learned embedding); weights that only the changed architecture has keep their fresh
@@ -178,4 +181,4 @@ def load_drafter(path: str | Path, target: Any, overrides: dict[str, Any] | None
     drafter.load_state_dict(tensors, strict=not new_keys)
     if drafter.vocab is not None:
         drafter.vocab.check(where)
-    return drafter
+    return drafter.eval()

@@ -20,6 +20,7 @@ proposals come back in target ids. Knows nothing about losses, verification or e
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -156,13 +157,18 @@ class DFlashDrafter(Drafter):
     # ---------------------------------------------------------------- training
     def training_forward(self, batch: DraftBatch, generator: torch.Generator | None = None,
                          targets: bool = True) -> DraftTrainOutput:
+        anchors, context, visible = self.block_inputs(batch, generator)
+        z = self.block_states(batch.input_ids, anchors, context, visible)  # [B, A, bs, H]
+        return self.block_output(batch, anchors, z, targets)
+
+    def block_inputs(self, batch: DraftBatch, generator: torch.Generator | None = None) -> tuple[Tensor, list[KV], Tensor]:
+        """The batch's anchors [B, A] (given, else sampled), the target's context K/V per layer and
+        which context rows each block reads, visible [B, A, T] (those before its anchor)."""
         t = batch.input_ids.shape[1]
         loss_mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
         anchors = batch.anchors if batch.anchors is not None else sample_anchors(loss_mask, self.cfg.num_anchors, generator)
-        context = self.target_context(batch.hidden)
         visible = torch.arange(t, device=anchors.device).view(1, 1, -1) < anchors.clamp_min(0).unsqueeze(-1)
-        z = self.block_states(batch.input_ids, anchors, context, visible)  # [B, A, bs, H]
-        return self.block_output(batch, anchors, z, targets)
+        return anchors, self.target_context(batch.hidden), visible
 
     # Block-level pieces, public so that training objectives (DLoop stages, carryover) can put
     # other context rows beside the target's: the drafter's own states, rejected target states.
@@ -172,21 +178,29 @@ class DFlashDrafter(Drafter):
         positions = torch.arange(t, device=hidden.device).expand(b, t)
         return self.backbone.context_kv(hidden.to(self.backbone.fc.weight.dtype), positions)
 
-    def block_states(self, input_ids: Tensor, anchors: Tensor, context: list[KV], visible: Tensor) -> Tensor:
+    def block_states(self, input_ids: Tensor, anchors: Tensor, context: list[KV], visible: Tensor,
+                     block_ids: Tensor | None = None) -> Tensor:
         """Every anchor's block in one backbone pass → z [B, A, bs, H].
 
         input_ids [B, T] (block slot 0 = the token at the anchor), anchors [B, A] (-1 unused),
-        context per layer K/V [B, h_kv, S, d], visible [B, A, S] bool: rows block a may read."""
+        context per layer K/V [B, h_kv, S, d], visible [B, A, S] bool: rows block a may read;
+        block_ids [B, A, bs]: the blocks' input tokens (default ``anchor_blocks``: anchor, masks)."""
         b, a = anchors.shape
         bs = self.cfg.block_size
-        anchor_tok = gather_positions(input_ids, anchors)
-        anchor_tok = torch.where(anchors >= 0, anchor_tok, torch.full_like(anchor_tok, self.cfg.mask_token_id))
-        ids = torch.full((b, a, bs), int(self.cfg.mask_token_id), dtype=torch.long, device=input_ids.device)
-        ids[:, :, 0] = anchor_tok
+        ids = block_ids if block_ids is not None else self.anchor_blocks(input_ids, anchors)
         positions = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(bs, device=anchors.device)
         mask = blocks_mask(visible, bs)
         z = self.backbone(self.embed(ids.view(b, a * bs)), positions.view(b, a * bs), context, mask)
         return z.view(b, a, bs, -1)
+
+    def anchor_blocks(self, input_ids: Tensor, anchors: Tensor) -> Tensor:
+        """[B, T], anchors [B, A] → the blocks' input tokens [B, A, bs]: the anchor's token, masks."""
+        anchor_tok = gather_positions(input_ids, anchors)
+        anchor_tok = torch.where(anchors >= 0, anchor_tok, torch.full_like(anchor_tok, self.cfg.mask_token_id))
+        ids = torch.full((*anchors.shape, self.cfg.block_size), int(self.cfg.mask_token_id), dtype=torch.long,
+                         device=input_ids.device)
+        ids[:, :, 0] = anchor_tok
+        return ids
 
     def draft_states(self, z: Tensor) -> Tensor:
         """z [B, A, bs, H] → the states of the γ draft slots [B, A, γ, H] (draft j → x_{a+j+1})."""
@@ -242,14 +256,8 @@ class DFlashDrafter(Drafter):
 
     def propose(self, state: DraftState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,
                 generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
-        gamma = num_speculative_tokens or self.max_speculative_tokens
-        if gamma > self.max_speculative_tokens:
-            raise DrafterError(f"{self.cfg.name} drafts at most {self.max_speculative_tokens} tokens per block, asked {gamma}")
-        b, bs = last_token.shape[0], self.cfg.block_size
-        ids = torch.full((b, bs), int(self.cfg.mask_token_id), dtype=torch.long, device=last_token.device)
-        ids[:, 0] = last_token
-        positions = state.length + torch.arange(bs, device=ids.device).expand(b, bs)
-        z = self.backbone(self.embed(ids), positions, self.propose_context(state), None)
+        gamma = self.check_gamma(num_speculative_tokens or self.max_speculative_tokens)
+        z = self.block_runner(state, last_token.shape[0])(self.mask_block(last_token))
         z = z[:, self.first_slot:self.first_slot + gamma]  # [B, γ, H]
         proposal = self.sample_readout(z, last_token, sampling, generator)
         proposal.states = z
@@ -265,20 +273,8 @@ class DFlashDrafter(Drafter):
         or one per row; each row's proposal has its own γ (all-greedy rows, which use no
         randomness, are read out together at the longest γ and then cut)."""
         per_row, samplings, gens = row_settings(len(states), sampling, num_speculative_tokens, generators, self.max_speculative_tokens)
-        gamma = max(per_row)
-        if gamma > self.max_speculative_tokens:
-            raise DrafterError(f"{self.cfg.name} drafts at most {self.max_speculative_tokens} tokens per block, asked {gamma}")
-        ctxs = [self.propose_context(s) for s in states]  # per row: per layer (k, v) [1, h, L_r, d]
-        bs, r = self.cfg.block_size, len(states)
-        padded = [pad_kv_rows([c[layer] for c in ctxs], last_tokens.device) for layer in range(len(ctxs[0]))]
-        context, seen = [kv for kv, _ in padded], padded[0][1]  # per layer [R, h, W, d]; [R, W]
-        width = seen.shape[1]
-        mask = torch.cat([seen, seen.new_ones(r, bs)], dim=1)[:, None, None, :].expand(r, 1, bs, width + bs)
-        ids = torch.full((r, bs), int(self.cfg.mask_token_id), dtype=torch.long, device=last_tokens.device)
-        ids[:, 0] = last_tokens
-        starts = torch.tensor([s.length for s in states], device=ids.device)
-        positions = starts[:, None] + torch.arange(bs, device=ids.device)[None, :]  # [R, bs]
-        z = self.backbone(self.embed(ids), positions, context, mask)[:, self.first_slot:self.first_slot + gamma]
+        gamma = self.check_gamma(max(per_row))
+        z = self.rows_runner(states, last_tokens.device)(self.mask_block(last_tokens))[:, self.first_slot:self.first_slot + gamma]
         if all(is_greedy(s) for s in samplings):
             prop = self.sample_readout(z, last_tokens, samplings[0], None)
             conf = prop.confidences
@@ -286,10 +282,41 @@ class DFlashDrafter(Drafter):
                              conf[i:i + 1, :g] if conf is not None else None, z[i:i + 1, :g])
                     for i, g in enumerate(per_row)]
         props = [self.sample_readout(z[i:i + 1, :per_row[i]], last_tokens[i:i + 1], samplings[i], gens[i])
-                 for i in range(r)]
+                 for i in range(len(states))]
         for i, prop in enumerate(props):
             prop.states = z[i:i + 1, :per_row[i]]
         return props
+
+    def check_gamma(self, gamma: int) -> int:
+        if gamma > self.max_speculative_tokens:
+            raise DrafterError(f"{self.cfg.name} drafts at most {self.max_speculative_tokens} tokens per block, asked {gamma}")
+        return gamma
+
+    def mask_block(self, last_tokens: Tensor) -> Tensor:
+        """last_tokens [R] → the round's first block [R, bs]: the last verified token, then masks."""
+        ids = torch.full((last_tokens.shape[0], self.cfg.block_size), int(self.cfg.mask_token_id), dtype=torch.long,
+                         device=last_tokens.device)
+        ids[:, 0] = last_tokens
+        return ids
+
+    def block_runner(self, state: DraftState, rows: int) -> Callable[[Tensor], Tensor]:
+        """One backbone pass over a block at the state's next positions: ids [rows, bs] → z [rows, bs, H]
+        (drafters that run several passes per round reuse it with other block tokens)."""
+        bs, context = self.cfg.block_size, self.propose_context(state)
+        positions = state.length + torch.arange(bs).expand(rows, bs)
+        return lambda ids: self.backbone(self.embed(ids), positions.to(ids.device), context, None)
+
+    def rows_runner(self, states: list[DraftState], dev: torch.device) -> Callable[[Tensor], Tensor]:
+        """``block_runner`` for many batch-1 states at once: their contexts right-padded and masked."""
+        ctxs = [self.propose_context(s) for s in states]  # per row: per layer (k, v) [1, h, L_r, d]
+        bs, r = self.cfg.block_size, len(states)
+        padded = [pad_kv_rows([c[layer] for c in ctxs], dev) for layer in range(len(ctxs[0]))]
+        context, seen = [kv for kv, _ in padded], padded[0][1]  # per layer [R, h, W, d]; [R, W]
+        width = seen.shape[1]
+        mask = torch.cat([seen, seen.new_ones(r, bs)], dim=1)[:, None, None, :].expand(r, 1, bs, width + bs)
+        starts = torch.tensor([s.length for s in states], device=dev)
+        positions = starts[:, None] + torch.arange(bs, device=dev)[None, :]  # [R, bs]
+        return lambda ids: self.backbone(self.embed(ids), positions, context, mask)
 
     def propose_context(self, state: DraftState) -> list[KV]:
         """The K/V a block reads: committed rows [B, h_kv, length, d] then any carryover rows

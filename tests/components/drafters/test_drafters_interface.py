@@ -10,7 +10,7 @@ from components.drafters import DRAFTERS, DrafterError, build_drafter, spread_la
 from components.drafters.eagle3 import eagle3_layer_ids
 from components.spec.sampling import GREEDY, SamplingParams
 
-NAMES = ["dspark", "dflash", "dflash2", "domino", "eagle3", "peagle", "medusa", "mtp"]
+NAMES = ["dspark", "dflash", "dflash2", "domino", "d_loop", "dedit", "eagle3", "peagle", "medusa", "mtp"]
 
 
 

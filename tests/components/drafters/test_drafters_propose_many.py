@@ -1,4 +1,4 @@
-"""Batched proposals of EAGLE-3, P-EAGLE, DFlash2, Medusa and MTP: ``propose_many`` over rows of different context
+"""Batched proposals of EAGLE-3, P-EAGLE, DFlash2, D-Loop, DEdit, Medusa and MTP: ``propose_many`` over rows of different context
 lengths, each with its own γ, sampling and generator, gives each row what ``propose`` gives it
 alone; the batch engine uses it and stays lossless."""
 
@@ -12,7 +12,7 @@ from components.engine.batch import BatchEngine, Request
 from components.spec.sampling import SamplingParams
 from tests.components.drafters.conftest import make_drafter
 
-KINDS = [("eagle3", {}), ("peagle", {"ttt_steps": 4}), ("dflash2", {"markov_rank": 8}), ("medusa", {}), ("mtp", {"mtp_depth": 2})]  # MTP: steps past depth 2 reuse module 1
+KINDS = [("eagle3", {}), ("peagle", {"ttt_steps": 4}), ("dflash2", {"markov_rank": 8}), ("d_loop", {}), ("dedit", {}), ("medusa", {}), ("mtp", {"mtp_depth": 2})]  # MTP: steps past depth 2 reuse module 1
 TEXTS = ["def main(args):\n    ", "x = 1", "class Foo:\n    def __init__(self", "import os\nimport sys\n"]
 
 
