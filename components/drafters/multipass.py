@@ -72,6 +72,12 @@ def join(a: Proposal, b: Proposal) -> Proposal:
                     torch.cat([a.probs, b.probs], 1), None, states)
 
 
+def split_rows(prop: Proposal, z: Tensor, counts: list[int]) -> list[Proposal]:
+    """A proposal over R rows → one per row, row i cut to its counts[i] drafts, with its slot states z [R, S, H]."""
+    return [Proposal(prop.tokens[i:i + 1, :n], prop.logits[i:i + 1, :n], prop.probs[i:i + 1, :n], None,
+                     z[i:i + 1, :n]) for i, n in enumerate(counts)]
+
+
 def stack_outputs(first: DraftTrainOutput, second: DraftTrainOutput) -> DraftTrainOutput:
     """Two training outputs over the same anchors as one of 2·N blocks (``first``'s, then ``second``'s)."""
     fields = {f.name: (getattr(first, f.name), getattr(second, f.name)) for f in dataclasses.fields(first)}
@@ -113,9 +119,7 @@ class MultiPassDrafter(DFlashDrafter):
         b = last_token.shape[0]
 
         def draw(z: Tensor, counts: list[int]) -> list[Proposal]:  # every row the same count: one draw
-            prop = self.sample_readout(z[:, :counts[0]], last_token, sampling, generator)
-            return [Proposal(prop.tokens[i:i + 1], prop.logits[i:i + 1], prop.probs[i:i + 1], None,
-                             z[i:i + 1, :counts[0]]) for i in range(b)]
+            return split_rows(self.sample_readout(z[:, :counts[0]], last_token, sampling, generator), z, counts)
 
         rows = self.draft_round(self.block_runner(state, b), last_token, [gamma] * b, draw)
         return Proposal(*(torch.cat([getattr(r, f) for r in rows]) for f in ("tokens", "logits", "probs")),
@@ -132,9 +136,7 @@ class MultiPassDrafter(DFlashDrafter):
 
         def draw(z: Tensor, counts: list[int]) -> list[Proposal]:
             if greedy:
-                prop = self.sample_readout(z[:, :max(counts)], last_tokens, samplings[0], None)
-                return [Proposal(prop.tokens[i:i + 1, :n], prop.logits[i:i + 1, :n], prop.probs[i:i + 1, :n],
-                                 None, z[i:i + 1, :n]) for i, n in enumerate(counts)]
+                return split_rows(self.sample_readout(z[:, :max(counts)], last_tokens, samplings[0], None), z, counts)
             props = []
             for i, n in enumerate(counts):
                 if n == 0:  # nothing to draw (D-Loop's suffix of a row whose γ ends in the prefix)
