@@ -147,6 +147,11 @@ class DrafterConfig:
     edit_passes: int = 2  # DEdit: editing passes after the first (unmasking) pass of a round
     # D-Loop: draft slots the second pass takes from the first (the prefix); None: half the block's drafts
     loop_prefix: int | None = None
+    # H-Spec: target layers whose K/V cache its attention layers read in place (each one past a tap
+    # of layer_ids: training recomputes them from it); None: one past each of the three deepest taps
+    kv_layers: list[int] | None = None
+    kv_window: int = 2048  # H-Spec: the most recent committed target slots its attention reads
+    ssm_state_size: int = 4  # H-Spec: N, the key size of each scan head's state U [N, head_dim]
     # γ, drafts per round, recorded in the checkpoint; None: the drafter's own (a block drafter's block:
     # block_size, or block_size - 1 without sample_from_anchor; ttt_steps / medusa_heads / mtp_depth)
     num_speculative_tokens: int | None = None

@@ -3,7 +3,7 @@
 The trainer and the engine use only :class:`Drafter` methods and :func:`build_drafter` /
 :func:`load_drafter` (a reduced draft vocabulary: ``vocab.py``, chosen by :func:`with_draft_vocab`);
 they never branch on a drafter's name. Importing this package registers
-the built-in families (dspark, dflash, dflash2, domino, d_loop, dedit, eagle3, peagle, medusa, mtp).
+the built-in families (dspark, dflash, dflash2, domino, d_loop, dedit, hspec, eagle3, peagle, medusa, mtp).
 """
 
 from components.drafters import (  # noqa: F401  (registration)
@@ -12,6 +12,7 @@ from components.drafters import (  # noqa: F401  (registration)
     domino,
     dspark,
     eagle3,
+    hspec,
     medusa,
     mtp,
     multipass,
@@ -28,6 +29,7 @@ from components.drafters.base import (
     Proposal,
     SharedParts,
     TargetInfo,
+    TargetKV,
     spread_layer_ids,
 )
 from components.drafters.checkpoint import load_drafter, save_drafter
@@ -54,6 +56,7 @@ __all__ = [
     "Proposal",
     "SharedParts",
     "TargetInfo",
+    "TargetKV",
     "build_drafter",
     "drafter_class",
     "load_drafter",

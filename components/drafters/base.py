@@ -53,6 +53,7 @@ from components.drafters.exchange import (  # noqa: F401  (re-exported: the data
     Proposal,
     SharedParts,
     TargetInfo,
+    TargetKV,
 )
 from components.drafters.vocab import DraftVocab
 from components.spec.sampling import GREEDY, SamplingParams, probs_from_logits

@@ -31,7 +31,13 @@ from components.drafters.errors import DrafterError
 if TYPE_CHECKING:
     import torch
 
-    from components.drafters.exchange import DraftBatch, DraftState, DraftTrainOutput, Proposal
+    from components.drafters.exchange import (
+        DraftBatch,
+        DraftState,
+        DraftTrainOutput,
+        Proposal,
+        TargetKV,
+    )
     from components.drafters.layers import KV
     from components.spec.sampling import SamplingParams
     from components.spec.trees import CausalHead
@@ -52,6 +58,7 @@ class Capability(str, Enum):
     PREVIEWS = "previews"  # preview: the next draft's confidences known before drafting (draft-then-decide)
     BASE_LOGITS = "base_logits"  # train_readout_base: the backbone's logits before a causal head (curricula)
     ROUND_LIMIT = "round_limit"  # max_speculative_tokens: the most one round (block, pass) can draft
+    TARGET_KV = "target_kv"  # with_target_kv: reads the target's own K/V cache in place (H-Spec)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -73,6 +80,7 @@ _METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.PREVIEWS: ("preview",),
     Capability.BASE_LOGITS: ("train_readout_base",),
     Capability.ROUND_LIMIT: ("max_speculative_tokens",),
+    Capability.TARGET_KV: ("target_kv_layers", "with_target_kv"),
 }
 
 
@@ -139,6 +147,14 @@ class Carryover(Protocol):
     def with_carry(self, state: DraftState, hidden_rej: Tensor,  # hidden_rej [B, k, n, H]
                    start_position: int) -> DraftState:
         """The state plus one round's context rows from the rejected drafts' target taps."""
+
+
+class ReadsTargetKV(Protocol):
+    target_kv_layers: list[int]  # the target layers whose K/V the drafter reads
+
+    def with_target_kv(self, state: DraftState, kv: TargetKV) -> DraftState:
+        """The state plus read access to the target's K/V of ``target_kv_layers`` over the
+        committed context (views the engine made of its cache; read by the next ``propose``)."""
 
 
 class LearnsResponses(Protocol):

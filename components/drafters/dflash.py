@@ -129,10 +129,14 @@ class DFlashDrafter(Drafter):
                                "or use a tokenizer with a mask token")
         if self.cfg.block_size < 2:
             raise DrafterError(f"drafter.block_size must be >= 2, got {self.cfg.block_size}")
-        self.backbone = BlockBackbone(self.sizes, len(self.layer_ids), int(self.cfg.num_layers))
+        self.backbone = self.build_backbone()
         init_weights(self)
         if self.cfg.carryover:  # E_carry [n·H], added to rejected target taps before fc; zero = no-op
             self.carry_embed = nn.Parameter(torch.zeros(self.backbone.fc.in_features))
+
+    def build_backbone(self) -> nn.Module:
+        """The block backbone (drafters with another backbone over DFlash's block layout override it)."""
+        return BlockBackbone(self.sizes, len(self.layer_ids), int(self.cfg.num_layers))
 
     @staticmethod
     def default_num_speculative_tokens(cfg: DrafterConfig) -> int:

@@ -8,6 +8,7 @@ about drafter families, checkpoints or engines.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,10 +53,14 @@ class SharedParts:
     embed_tokens: nn.Module  # [V, H] embedding table
     lm_head: nn.Module  # H -> V
     final_norm: nn.Module  # the target's final norm (target logits from last hidden states)
+    # (layer l, its input hidden [B, T, H] = the output of layer l-1, positions [B, T]) -> the
+    # k, v [B, h_kv, T, d] layer l writes to its cache: training recomputes the target's K/V from
+    # the stored taps (``Capability.TARGET_KV`` drafters); None: not available
+    target_kv: Callable[[int, Tensor, Tensor], KV] | None = None
 
     @classmethod
     def of(cls, target: Any) -> SharedParts:
-        return cls(target.embed_tokens, target.lm_head, target.final_norm)
+        return cls(target.embed_tokens, target.lm_head, target.final_norm, target.project_kv)
 
 
 # ----------------------------------------------------------------------------- data
@@ -110,6 +115,25 @@ class DraftTrainOutput:
 
 
 @dataclass
+class TargetKV:
+    """The target's own keys/values of some of its layers for one batch's committed positions,
+    as the engine's KV cache holds them: views into the cache, never copies (the engine builds
+    it, ``engine.cache.views.target_kv``; a drafter declaring ``Capability.TARGET_KV`` reads it).
+    Keys are as the target's attention reads them (k-norm and RoPE at absolute positions applied).
+
+    ``valid`` marks the slots that hold committed tokens (a batch cache's padding and rejected
+    holes are False); None: every one of the S slots does, in position order 0..S-1."""
+
+    layers: list[int]  # target decoder layers (0-based), in the order of ``kv``
+    kv: list[KV]  # per layer: k, v [B, h_kv, S, d]
+    valid: Tensor | None = None  # [B, S] bool (None: all S slots are committed positions 0..S-1)
+
+    @property
+    def slots(self) -> int:
+        return self.kv[0][0].shape[2] if self.kv else 0
+
+
+@dataclass
 class DraftState:
     """A batch's drafter context: everything is per committed position, so rollback = crop.
 
@@ -123,6 +147,10 @@ class DraftState:
     feats: Tensor | None = None  # [B, length, F] per-position features a drafter keeps
     carry: list[KV] | None = None  # per attention layer: k, v [B, h_kv, carry_rows, d] (one round)
     carry_rows: int = 0  # rows in ``carry`` (0: no carryover context)
+    # the target's own K/V of the committed context (``Capability.TARGET_KV``), attached by the
+    # engine before each ``propose`` (``with_target_kv``): views into its cache, valid for that
+    # round only, dropped by ``consume`` and ``rollback``
+    target_kv: TargetKV | None = None
 
 
 @dataclass

@@ -6,9 +6,11 @@ gpt-fast style verbs, one step each::
     prefill  -- one target forward over the prompt (taps at drafter.layer_ids, KV cache kept);
                 its last logits give the first new token; the drafter consumes every prompt
                 position (their target hidden states exist);
-    draft    -- drafter.propose after the last token (the drafter state is not changed); with
-                DLoop, further blocks on the drafter's own states behind the log-probability
-                gate (``draft_chain``); the drafter may propose fewer than asked, or nothing;
+    draft    -- drafter.propose after the last token (the drafter state is not changed, but
+                that a ``Capability.TARGET_KV`` drafter's is first handed views of the target
+                cache, ``core.attach_target_kv``); with DLoop, further blocks on the drafter's
+                own states behind the log-probability gate (``draft_chain``); the drafter may
+                propose fewer than asked, or nothing;
     verify   -- one target forward over [last_token, drafts] continuing the cache; the rule
                 decides the accepted tokens and the next (recovered or bonus) token. With no
                 drafts the round is a plain step: the forward is over [last_token] and the next
@@ -34,6 +36,7 @@ attaches none. DLoop's later stages drop them (see ``DFlashDrafter.consume_own``
 rows are read by the next round's first block only, at most γ of them (one block).
 
 Knows the drafter protocol (``core.EngineDrafter``), the rules' interface and the settings;
+of the target cache only how to crop it and hand views of it to a drafter that reads it;
 nothing about batching, trees, tokenization or drafter families.
 """
 
@@ -51,6 +54,7 @@ from components.engine.core import (
     EngineDrafter,
     GenerationResult,
     SequenceState,
+    attach_target_kv,
     crop_cache,
     positions,
     sync_device,
@@ -95,14 +99,18 @@ def chain_round(target: Any, drafter: EngineDrafter, settings: EngineSettings, r
 
 
 def draft_chain(drafter: EngineDrafter, settings: EngineSettings, rule: Rule, seq: SequenceState, num_drafts: int,
-                rnd: RoundRandomness) -> tuple[Proposal, Tensor]:
+                rnd: RoundRandomness, cache: Any = None, row: int | None = None) -> tuple[Proposal, Tensor]:
     """Proposal and the draft tokens [1, G] to verify (predicting positions n..), G ≤ num_drafts.
 
+    A drafter declaring ``Capability.TARGET_KV`` is first handed views of the target cache
+    (``seq.cache``, or a batch's ``cache`` and the sequence's ``row`` in it), and that state
+    becomes ``seq.draft_state`` (``core.attach_target_kv``; the next ``consume`` drops them).
     With DLoop, the drafts may span several blocks of at most γ; later blocks run on a
     throw-away drafter state extended with the earlier blocks' own states, so
-    ``seq.draft_state`` never changes. Fewer than ``num_drafts`` when the gate closes or the
+    ``seq.draft_state`` changes no further. Fewer than ``num_drafts`` when the gate closes or the
     drafter proposes fewer than asked; a block of none ends the drafting (G = 0 when the
     first block is empty: the round is a plain step)."""
+    seq.draft_state = attach_target_kv(drafter, seq.draft_state, seq.cache if cache is None else cache, row)
     state, last, start = seq.draft_state, seq.last_token, seq.length
     props, drafts = [], []
     while True:

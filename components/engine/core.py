@@ -1,5 +1,6 @@
 """What every engine shares: the drafter protocol the engines need, the records of a sequence
-and of a generation, and small helpers (randomness, positions, cache cropping, device sync).
+and of a generation, and small helpers (randomness, positions, cache cropping, device sync,
+handing the target's own K/V to a drafter that reads it: ``attach_target_kv``).
 
 Invariant between rounds, for committed tokens x_0..x_{n-1}: the target cache and the drafter
 state hold n-1 positions; x_{n-1} (the last emitted token) has not been through the target.
@@ -20,7 +21,8 @@ import torch
 from torch import Tensor
 
 from components.drafters.base import Proposal
-from components.drafters.capabilities import Capability
+from components.drafters.capabilities import Capability, has
+from components.engine.cache.views import target_kv
 from components.engine.rules import RoundRandomness
 from components.spec.sampling import SamplingParams
 
@@ -46,7 +48,9 @@ class EngineDrafter(Protocol):
     # Declared, not probed (``components.drafters.capabilities``): ``OWN_CONTEXT`` (``consume_own``)
     # for loop_stages > 1 and ``CARRYOVER`` (``with_carry``) for carryover=True are required when
     # the settings are resolved (``settings.py``); ``BATCHED_PROPOSE``/``BATCHED_CONSUME`` are the
-    # batch engine's fast paths.
+    # batch engine's fast paths; ``TARGET_KV`` (``target_kv_layers``, ``with_target_kv``): every
+    # engine hands the drafter views of the target's own K/V cache before it drafts
+    # (``attach_target_kv``), and never calls ``with_target_kv`` on a drafter that does not declare it.
 
 
 @dataclass
@@ -133,3 +137,18 @@ def crop_cache(cache: Any, length: int) -> None:
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)
+
+
+def attach_target_kv(drafter: EngineDrafter, state: Any, cache: Any, row: int | None = None) -> Any:
+    """``state`` with read access to the target's K/V of ``drafter.target_kv_layers`` over the
+    committed context (``cache.views.target_kv``: views of ``cache``, of its batch row ``row``
+    when given), for a drafter declaring ``Capability.TARGET_KV``; else (or without a cache, or
+    for plain decoding's None state) ``state`` itself.
+
+    Call it right before drafting, once every deferred update is consumed (``consume`` drops the
+    views), and keep the result as the sequence's drafter state: a drafter (or a wrapper:
+    ``serving.fallback``, the hybrid) may mark the state it proposes from, and the engine
+    consumes that one. The views show the cache as it is until its next forward."""
+    if state is None or cache is None or not has(drafter, Capability.TARGET_KV):
+        return state
+    return drafter.with_target_kv(state, target_kv(cache, drafter.target_kv_layers, row))

@@ -58,8 +58,11 @@ its latest round stand in (the engine's estimate otherwise).
 Capabilities (``drafters.capabilities``): ``OWN_CONTEXT`` always (suffix rounds continue over
 stages; a trained drafter that does not declare it gets no later stages: its proposals' states
 are dropped, so the engine never asks it for ``consume_own``); ``CARRYOVER``,
-``BATCHED_PROPOSE`` and ``BATCHED_CONSUME`` when the trained drafter declares them; never a tree
-head or block internals (objectives and exporters work on the trained drafter itself).
+``BATCHED_PROPOSE``, ``BATCHED_CONSUME`` and ``TARGET_KV`` when the trained drafter declares
+them; never a tree head or block internals (objectives and exporters work on the trained
+drafter itself). The target's K/V views (``with_target_kv``, before each round) go to the
+trained side's state, whoever then drafts: a suffix round does not read them, and ``consume``
+drops them either way.
 
 Batch 1 per state, as both sides. Knows both sides through the engine protocol and the suffix
 drafter's ``candidate``/``observe``/``forget``; nothing about verification, caches, the cap's
@@ -77,7 +80,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from components.drafters.base import DEFAULT_SAMPLING, Proposal, row_settings
+from components.drafters.base import DEFAULT_SAMPLING, Proposal, TargetKV, row_settings
 from components.drafters.capabilities import Capability, has
 from components.engine.suffix import (
     Candidate,
@@ -89,7 +92,7 @@ from components.engine.suffix import (
 from components.spec.sampling import SamplingParams
 
 SUFFIX, MODEL = "suffix", "model"  # the sides, as ``drafted_by`` counts them
-PASSED_ON = (Capability.CARRYOVER, Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME)
+PASSED_ON = (Capability.CARRYOVER, Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.TARGET_KV)
 
 
 @dataclass
@@ -134,6 +137,11 @@ class HybridDrafter:
     def carry_embed(self) -> Tensor:  # [n·H] (declared with CARRYOVER only)
         return self.trained.carry_embed
 
+    @property
+    def target_kv_layers(self) -> list[int]:  # (declared with TARGET_KV only)
+        """The target layers whose K/V the trained drafter reads."""
+        return list(self.trained.target_kv_layers)
+
     def capabilities(self) -> frozenset[Capability]:
         """OWN_CONTEXT, LEARNS_RESPONSES (the suffix side's), PREVIEWS and what of ``PASSED_ON``
         the trained drafter declares."""
@@ -166,6 +174,11 @@ class HybridDrafter:
     def with_carry(self, state: HybridState, hidden_rej: Tensor, start_position: int) -> HybridState:
         """Carryover rows (hidden_rej [1, k, n, H], k ≤ γ) for the trained side, whoever drafted."""
         return dataclasses.replace(state, trained=self.trained.with_carry(state.trained, hidden_rej, start_position))
+
+    def with_target_kv(self, state: HybridState, kv: TargetKV) -> HybridState:
+        """Views of the target's K/V over the committed context (``kv``) for the trained side,
+        whoever drafts this round (the engine keeps the state returned as the committed one)."""
+        return dataclasses.replace(state, trained=self.trained.with_target_kv(state.trained, kv))
 
     # ------------------------------------------------------------------ drafting
     def propose(self, state: HybridState, last_token: Tensor, sampling: SamplingParams = DEFAULT_SAMPLING,

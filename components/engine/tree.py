@@ -23,8 +23,10 @@ each rule (tests: greedy and Gumbel token for token, sampling by a chi-square te
 combined with DLoop stages or carryover; rules without ``trees`` (block) are for chains only.
 The prefill and the loop are the chain engine's (``chain.py``, ``single.py``); the causal
 builder needs a drafter declaring ``Capability.CAUSAL_TREE_HEAD`` (refused when the settings
-are resolved). Knows the engine protocol of drafters and the tree builders of
-``components.spec``; nothing about drafter families or which rule verifies how.
+are resolved); a drafter declaring ``Capability.TARGET_KV`` reads the target cache's committed
+context before the tree's pass (``core.attach_target_kv``). Knows the engine protocol of
+drafters and the tree builders of ``components.spec``; nothing about drafter families or which
+rule verifies how.
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ from torch import Tensor
 from components.drafters.base import DEFAULT_SAMPLING
 from components.engine.cache.ragged import keep_slots
 from components.engine.chain import num_drafts_for
-from components.engine.core import EngineDrafter, GenerationResult, SequenceState, sync_device
+from components.engine.core import (
+    EngineDrafter,
+    GenerationResult,
+    SequenceState,
+    attach_target_kv,
+    sync_device,
+)
 from components.engine.rules import RoundRandomness, Rule, get_rule
 from components.engine.settings import EngineSettings, resolve_settings
 from components.engine.single import decode
@@ -99,7 +107,9 @@ def tree_round(target: Any, drafter: EngineDrafter, settings: EngineSettings, ru
 def draft_tree(drafter: EngineDrafter, settings: EngineSettings, rule: Rule, seq: SequenceState, num_drafts: int,
                rnd: RoundRandomness) -> TokenTree:
     """The tree over the drafter's distributions at ``num_drafts`` slots (its depth at most;
-    ≤ ``settings.tree_budget`` nodes)."""
+    ≤ ``settings.tree_budget`` nodes). A ``Capability.TARGET_KV`` drafter is first handed views
+    of ``seq.cache`` (kept as ``seq.draft_state``, as ``chain.draft_chain`` does)."""
+    seq.draft_state = attach_target_kv(drafter, seq.draft_state, seq.cache)
     prop = drafter.propose(seq.draft_state, seq.last_token, rule.draft_sampling(rnd), rnd.generator,
                            num_speculative_tokens=num_drafts)
     shaping = rnd.sampling if rnd.sampling.temperature > 0 else SamplingParams()  # greedy: raw softmax

@@ -116,6 +116,7 @@ class Target:
         self.final_norm: nn.Module = _first_attr(decoder, ("norm", "final_layernorm", "ln_f"))
         if self.layers is None or self.final_norm is None:
             raise TargetError(f"{name_or_path}: cannot find decoder layers / final norm in {type(model).__name__}")
+        self._rotary = getattr(decoder, "rotary_emb", None)  # (x, positions) -> cos, sin [B, T, d]
         self.embed_tokens: nn.Module = model.get_input_embeddings()
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.tokenizer_hash = tokenizer_hash(tokenizer)
@@ -173,6 +174,27 @@ class Target:
 
     def compute_logits(self, last_hidden: Tensor) -> Tensor:  # [..., H] pre-norm → [..., V]
         return self.lm_head(self.final_norm(last_hidden))
+
+    @torch.no_grad()
+    def project_kv(self, layer: int, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys/values decoder layer ``layer`` writes to its KV cache for its input hidden
+        [B, T, H] (the output of layer − 1: tap ``layer − 1``) at positions [B, T] → k, v
+        [B, h_kv, T, d], as its attention reads them (input norm, k/v projections, a per-head
+        k-norm where the layer has one, the decoder's rotary embedding). Llama/Qwen-style
+        attention only (``self_attn`` with ``k_proj``/``v_proj``/``head_dim``)."""
+        block = self.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(hidden.to(self.dtype))
+        b, t, d = x.shape[0], x.shape[1], int(attn.head_dim)
+        k = attn.k_proj(x).view(b, t, -1, d)
+        k_norm = getattr(attn, "k_norm", None)  # Qwen3 has one, Llama not
+        k = (k_norm(k) if k_norm is not None else k).transpose(1, 2)  # [B, h_kv, T, d]
+        v = attn.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+        cos, sin = self._rotary(x, positions)  # [B, T, d]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = d // 2
+        rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+        return k * cos + rotated * sin, v
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,

@@ -16,7 +16,7 @@ from components.drafters.registry import DRAFTERS
 from components.tracking import Tracker
 from pipelines import full
 
-PRESETS = ["dflash", "dflash2", "domino", "d_loop", "dedit", "eagle3", "peagle", "medusa", "mtp"]
+PRESETS = ["dflash", "dflash2", "domino", "d_loop", "dedit", "hspec", "eagle3", "peagle", "medusa", "mtp"]
 # Run end to end: one of each kind of drafter the pipeline treats differently (a block drafter, one
 # that drafts in several passes, an autoregressive one with its own layer ids, heads, MTP); the
 # others' training and engine paths run in tests/components/drafters and tests/components/engine.

@@ -7,7 +7,8 @@ One ``step()`` is one round for the whole running batch::
                 right-padded target pass, and their rows appended to the batch's ragged cache;
                 each prefill's first token is emitted at once (``admit.Admission``);
     draft    -- per running request, the drafter proposes num_drafts_b ≤ cap tokens on that
-                request's own drafter state (DLoop stages as in ``chain.draft_chain``);
+                request's own drafter state (DLoop stages as in ``chain.draft_chain``; a
+                drafter declaring ``TARGET_KV`` reads the request's row of the batch's cache);
                 0 for plain-decoding requests and for those whose drafter proposed nothing
                 (``draft.Drafting``): they take part with their one token, a plain round;
     verify   -- ONE target forward over [B, G+1] (row b: x_{n_b-1}, its drafts, padding),
@@ -164,7 +165,7 @@ class BatchEngine:
             outs, accepted, nodes, draft_seconds, verify_seconds = self.trees.round(self.batch, lone)
             self._record(outputs + outs, 1, [accepted], [nodes], draft_seconds, verify_seconds, start)
             return outputs + outs
-        draft_seconds = self.drafting.draft(self.batch.rows, draining=not self.waiting)
+        draft_seconds = self.drafting.draft(self.batch.rows, draining=not self.waiting, cache=self.batch.cache)
         logits, hidden, forward_seconds = self._verify_forward()
         drafting = [r for r in self.batch.rows if r.drafts is not None]
         outputs += self._accept(logits, hidden, forward_seconds)

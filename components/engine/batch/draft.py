@@ -22,9 +22,17 @@ the drafter consumes them when the row drafts again (``flush``), so cap-0 rounds
 plain decoding costs. A drafter declaring ``Capability.PREVIEWS`` (suffix decoding, the hybrid)
 tells, before the cap is picked, the confidences of the draft it will make (a lookup over the
 row's ids, deferred ones included), so an adaptive cap is priced on this round's own draft
-(draft-then-decide) rather than on the last round's. Knows the drafter's engine protocol, the
-chain's drafting step and the draft-length policy; nothing about verification or the target
-cache.
+(draft-then-decide) rather than on the last round's.
+
+A drafter declaring ``Capability.TARGET_KV`` reads the target's own K/V: each drafting row's
+state is handed views of its row of the batch's cache (``core.attach_target_kv``; ``RaggedCache``
+rows with their holes masked, ``SlotCache`` rows as their committed slots) right before the
+batched or the per-row draft, after ``flush`` (whose ``consume`` would drop them). At that point
+the cache holds exactly each row's committed context, n-1 positions: last round's verified slots
+were committed after its verify pass, and the rows admitted this round joined the cache with
+their prompts before any drafting. Knows the drafter's engine protocol, the chain's drafting
+step and the draft-length policy; of the target cache only its rows' order (batch row b is
+cache row b) and how to hand views of it over; nothing about verification.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from components.engine.adaptive.policy import DraftLengthPolicy
 from components.engine.adaptive.rows import round_cap
 from components.engine.batch.state import Row
 from components.engine.chain import draft_chain, num_drafts_for
-from components.engine.core import sync_device
+from components.engine.core import attach_target_kv, sync_device
 from components.engine.settings import EngineSettings
 
 CAPS_KEPT = 4096  # caps a long-running engine remembers (for dashboards and benchmarks)
@@ -68,9 +76,10 @@ class Drafting:
         self.defer_plain_updates = True  # plain rounds of speculating rows defer the drafter's update
 
     # ------------------------------------------------------------------ drafting
-    def draft(self, rows: list[Row], draining: bool) -> float:
+    def draft(self, rows: list[Row], draining: bool, cache: Any = None) -> float:
         """Drafts for every speculating row under this round's cap; returns the seconds spent.
-        ``draining``: no request waits to join."""
+        ``draining``: no request waits to join. ``cache``: the batch's target cache (row b of it
+        is ``rows[b]``'s), read by a drafter declaring ``Capability.TARGET_KV``."""
         for row in rows:  # last round's outcome, for the rows' own records
             if row.drafts is not None and row.result.accepted:
                 row.estimate.settle(row.num_drafts, row.result.accepted[-1])
@@ -79,17 +88,18 @@ class Drafting:
         cap = self._cap(rows, draining)
         spent = self.flush([r for r in rows if r.pending and cap and r.speculates])
         together: list[tuple[Row, int]] = []
-        for row in rows:
+        for b, row in enumerate(rows):
             # as the batch-1 round: at least one draft, overshoot cut (same randomness use)
             num_drafts = num_drafts_for(cap, row.remaining) if row.speculates and cap else 0
             row.proposal, row.drafts = None, None
             if num_drafts == 0:
                 continue
             if self.batched and num_drafts <= self.settings.num_speculative_tokens:  # one stage
+                row.seq.draft_state = attach_target_kv(self.drafter, row.seq.draft_state, cache, b)
                 together.append((row, num_drafts))
                 continue
             t0 = time.perf_counter()
-            _keep(row, *draft_chain(self.drafter, self.settings, row.rule, row.seq, num_drafts, row.rnd))
+            _keep(row, *draft_chain(self.drafter, self.settings, row.rule, row.seq, num_drafts, row.rnd, cache, b))
             sync_device(row.seq.last_token.device)
             row.result.draft_seconds += time.perf_counter() - t0
             spent += time.perf_counter() - t0

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from components.drafters import LAYER_ID_CONVENTION, DrafterError, load_drafter, save_drafter
 
-NAMES = ["dspark", "dflash", "dflash2", "domino", "d_loop", "dedit", "eagle3", "peagle", "medusa", "mtp"]
+NAMES = ["dspark", "dflash", "dflash2", "domino", "d_loop", "dedit", "hspec", "eagle3", "peagle", "medusa", "mtp"]
 
 
 def logits_of(d, dr, target, ids):

@@ -8,6 +8,9 @@ fixture target's float-sensitive training happened to produce on this CPU.
   (wrong), with fixed confidences, whatever the target's weights;
 * ``SecondGuessDrafter`` -- every slot's favourite is wrong and its runner-up right, so a chain
   or a one-node tree accepts nothing and a full binary tree accepts its whole depth;
+* ``TargetKVReader`` -- prompt lookup declaring ``Capability.TARGET_KV`` (the H-Spec drafter's
+  engine side, before that drafter exists): at every ``propose`` it checks the target K/V it
+  was handed against the target's own batch-1 forward over the committed tokens;
 * ``counting_forwards`` -- the real target, each forward's input width recorded.
 """
 
@@ -21,8 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from components.drafters.base import Proposal
-from components.engine.model_free import TokenDrafter, TokenState, one_hot_proposal
+from components.drafters.base import Proposal, TargetKV, row_settings
+from components.drafters.capabilities import Capability
+from components.engine.model_free import (
+    PromptLookupDrafter,
+    TokenDrafter,
+    TokenState,
+    one_hot_proposal,
+)
 
 # P(next = A | previous token) among {A, B}; the rest of the vocabulary gets e^-12 each
 P_AFTER_A, P_AFTER_B, P_AFTER_OTHER = 0.75, 0.3, 0.7
@@ -114,6 +123,80 @@ class SecondGuessDrafter(ScriptedDrafter):
         probs.scatter_(2, right[..., None], 0.4)
         probs = probs / probs.sum(-1, keepdim=True)  # [1, γ, V]
         return Proposal((right + 1) % self.vocab_size, probs.log(), probs, None)
+
+
+@dataclasses.dataclass
+class KVTokenState(TokenState):
+    """Committed ids plus this round's views of the target's K/V (``consume`` drops them)."""
+
+    target_kv: TargetKV | None = None
+
+
+class TargetKVReader(PromptLookupDrafter):
+    """Prompt lookup (real drafts, some rejected: holes in a batch's cache) that declares
+    ``Capability.TARGET_KV`` for the first and last layers of ``target`` and, at every
+    ``propose``, checks what it was handed: views [1, h_kv, S, d] whose committed slots are as
+    many as its committed tokens, in position order equal to ``target``'s own batch-1 forward
+    over them (``errors``: the largest difference per propose). Checks only while it declares
+    the capability (``test_engine_capabilities.without``). ``batched``: also declares
+    ``BATCHED_PROPOSE`` (``propose`` per row). ``pad``: the lookup's draft padded to the γ asked
+    for with its last token (never nothing: a token tree needs a draft); else ``quiet``: nothing
+    where the context's length is a multiple of 3 (the batch engine defers such plain rounds'
+    updates to the row's next drafting round)."""
+
+    def __init__(self, target: Any, batched: bool = False, num_speculative_tokens: int = 4, pad: bool = False,
+                 quiet: bool = False):
+        super().__init__(target.vocab_size, num_speculative_tokens)
+        self.target, self.batched, self.pad, self.quiet = target, batched, pad, quiet
+        self.target_kv_layers = [0, target.num_layers - 1]
+        self.layer_ids = (0,)  # a tap it ignores: the batch engine then defers its plain rounds' updates
+        self.attached = 0  # with_target_kv calls
+        self.checked: list[tuple[int, int]] = []  # per checked propose: (committed positions, holes in its view)
+        self.errors: list[float] = []
+
+    def capabilities(self) -> frozenset[Capability]:
+        return frozenset({Capability.TARGET_KV} | ({Capability.BATCHED_PROPOSE} if self.batched else set()))
+
+    def with_target_kv(self, state: TokenState, kv: TargetKV) -> KVTokenState:
+        self.attached += 1
+        return KVTokenState(state.length, state.tokens, kv)
+
+    def propose(self, state: TokenState, last_token: Tensor, sampling: Any = None,
+                generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
+        if Capability.TARGET_KV in self.capabilities():
+            self.check(state)
+        if self.quiet and (state.length + 1) % 3 == 0:
+            return one_hot_proposal([], self.vocab_size, self.device)
+        prop = super().propose(state, last_token, sampling, generator, num_speculative_tokens)
+        gamma = num_speculative_tokens or self.num_speculative_tokens
+        if not self.pad or prop.tokens.shape[1] == gamma:
+            return prop
+        drafted = prop.tokens[0].tolist() or [int(last_token[0])]
+        return one_hot_proposal((drafted + drafted[-1:] * gamma)[:gamma], self.vocab_size, self.device)
+
+    def propose_many(self, states: list[TokenState], last_tokens: Tensor, sampling: Any,
+                     num_speculative_tokens: int | list[int] | None = None,
+                     generators: list[torch.Generator | None] | None = None) -> list[Proposal]:
+        per_row, samplings, gens = row_settings(len(states), sampling, num_speculative_tokens, generators,
+                                                self.num_speculative_tokens)
+        return [self.propose(s, last_tokens[i:i + 1], samplings[i], gens[i], per_row[i]) for i, s in enumerate(states)]
+
+    def check(self, state: TokenState) -> None:
+        kv = state.target_kv if isinstance(state, KVTokenState) else None
+        if kv is None:
+            raise AssertionError("propose on a state without the target's K/V")
+        assert kv.layers == self.target_kv_layers
+        valid = kv.valid[0] if kv.valid is not None else torch.ones(kv.slots, dtype=torch.bool)  # [S]
+        if int(valid.sum()) != state.length:
+            raise AssertionError(f"the views hold {int(valid.sum())} committed slots, the drafter {state.length} tokens")
+        own = self.target.forward(torch.tensor([state.tokens]), use_cache=True).cache
+        err = 0.0
+        for i, (k, v) in zip(kv.layers, kv.kv):
+            assert k.shape[0] == v.shape[0] == 1 and k.shape[2] == valid.shape[0]  # [1, h_kv, S, d]
+            err = max(err, float((k[:, :, valid] - own.layers[i].keys).abs().max()),
+                      float((v[:, :, valid] - own.layers[i].values).abs().max()))
+        self.errors.append(err)
+        self.checked.append((state.length, int((~valid).sum())))
 
 
 def counting_forwards(monkeypatch: Any, target: Any) -> list[int]:

@@ -1,7 +1,8 @@
 """Engine features state what they need of a drafter and check it when they are built: a drafter
 that does not declare a required capability is refused by name (DLoop stages, carryover, the
-causal tree builder), and one without an optional fast path is served row by row with the same
-output (batched propose / consume). No attribute of the drafter is probed."""
+causal tree builder), one without an optional fast path is served row by row with the same
+output (batched propose / consume), and one that does not read the target's K/V is never handed
+it. No attribute of the drafter is probed."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from components.engine import (
 from components.engine.batch import BatchEngine
 from tests.components.engine.batch.test_continuous import requests
 from tests.components.engine.test_engine_carryover import carry_drafter
-from tests.components.engine.test_engine_greedy import random_drafter
+from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
 
 ENGINE_SOURCES = Path(__file__).resolve().parents[3] / "components" / "engine"
 
@@ -116,6 +117,30 @@ def test_batched_paths_are_taken_when_declared(tiny_target, monkeypatch):
         monkeypatch.setattr(drafter, method, counted)
     BatchEngine(tiny_target, drafter, max_batch_size=4).generate(requests(tiny_target))
     assert calls["propose_many"] > 0 and calls["consume_many"] > 0
+
+
+def test_a_drafter_not_declaring_target_kv_is_never_handed_it(tiny_target, references, greedy_refs, monkeypatch):
+    """``with_target_kv`` undeclared (and booby-trapped), in every engine path that drafts (chain,
+    tree, batched and per-row batch proposals, the hybrid over it): never called, output unchanged."""
+    from components.engine import HybridDrafter, SuffixDrafter
+    from tests.components.engine.doubles import TargetKVReader
+
+    def reader(**kw) -> TargetKVReader:
+        made = without(TargetKVReader(tiny_target, **kw), Capability.TARGET_KV)
+        forbid(monkeypatch, made, "with_target_kv")
+        return made
+
+    prompt = prompts(tiny_target)[0]
+    assert SpeculativeEngine(tiny_target, reader()).generate(prompt, MAX_NEW).tokens == references[0]
+    assert TreeEngine(tiny_target, reader(pad=True), budget=8).generate(prompt, MAX_NEW).tokens == references[0]
+    for batched in (True, False):
+        results = BatchEngine(tiny_target, reader(batched=batched), max_batch_size=2).generate(requests(tiny_target))
+        assert [r.tokens for r in results] == greedy_refs
+    hybrid = HybridDrafter(reader(batched=True), SuffixDrafter(tiny_target.vocab_size, 4), 1.0)
+    assert Capability.TARGET_KV not in hybrid.capabilities()
+    forbid(monkeypatch, hybrid, "with_target_kv")
+    results = BatchEngine(tiny_target, hybrid, max_batch_size=2).generate(requests(tiny_target))
+    assert [r.tokens for r in results] == greedy_refs
 
 
 def test_model_free_drafters_declare_no_capabilities(tiny_target):
