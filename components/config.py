@@ -158,6 +158,9 @@ class DrafterConfig:
     store_shared: bool = False  # also store frozen copies of embedding + LM head in checkpoints
     # DFlash/DSpark: a learned E_carry added to rejected target states (the carryover objective sets it)
     carryover: bool = False
+    # DFlash/DSpark: ReTrace's gated residual, which fuses the last round's rejected drafts (their own
+    # states, aligned with the next block) into the next block's input embeddings (the retrace objective sets it)
+    retrace: bool = False
     # A head start (DFlash/DSpark): draft layer i starts as a copy of the target's decoder layer
     # L − n + i (its last n layers), the fusion as the deepest tap passed through; training
     # starts from there instead of random weights. Only where the draft layers have the target's

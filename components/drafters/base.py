@@ -51,6 +51,7 @@ from components.drafters.exchange import (  # noqa: F401  (re-exported: the data
     DraftState,
     DraftTrainOutput,
     Proposal,
+    Recycled,
     SharedParts,
     TargetInfo,
     TargetKV,

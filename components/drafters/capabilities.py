@@ -59,6 +59,7 @@ class Capability(str, Enum):
     BASE_LOGITS = "base_logits"  # train_readout_base: the backbone's logits before a causal head (curricula)
     ROUND_LIMIT = "round_limit"  # max_speculative_tokens: the most one round (block, pass) can draft
     TARGET_KV = "target_kv"  # with_target_kv: reads the target's own K/V cache in place (H-Spec)
+    RECYCLES = "recycles"  # with_recycled: the next block reads the last round's rejected drafts (ReTrace)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -81,6 +82,7 @@ _METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.BASE_LOGITS: ("train_readout_base",),
     Capability.ROUND_LIMIT: ("max_speculative_tokens",),
     Capability.TARGET_KV: ("target_kv_layers", "with_target_kv"),
+    Capability.RECYCLES: ("with_recycled", "recycle"),
 }
 
 
@@ -155,6 +157,15 @@ class ReadsTargetKV(Protocol):
     def with_target_kv(self, state: DraftState, kv: TargetKV) -> DraftState:
         """The state plus read access to the target's K/V of ``target_kv_layers`` over the
         committed context (views the engine made of its cache; read by the next ``propose``)."""
+
+
+class Recycles(Protocol):
+    recycle: Any  # the gated residual that fuses recycled states into the block's input embeddings
+
+    def with_recycled(self, state: DraftState, proposal: Proposal, accepted: int,
+                      next_token: Tensor) -> DraftState:  # next_token [B] long
+        """The state (after consuming the round's committed tokens) plus the round's rejected
+        drafts (``proposal.states`` past the ``accepted`` ones), aligned with the next block's slots."""
 
 
 class LearnsResponses(Protocol):

@@ -19,6 +19,7 @@ proposals come back in target ids. Knows nothing about losses, verification or e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -35,6 +36,7 @@ from components.drafters.base import (
     DraftState,
     DraftTrainOutput,
     Proposal,
+    Recycled,
     SharedParts,
     gather_positions,
     is_greedy,
@@ -51,6 +53,7 @@ from components.drafters.layers import (
     pad_kv_rows,
 )
 from components.drafters.registry import register_drafter
+from components.drafters.retrace import RecycleGate, align, stack_recycled
 from components.spec.sampling import SamplingParams
 
 
@@ -133,6 +136,8 @@ class DFlashDrafter(Drafter):
         init_weights(self)
         if self.cfg.carryover:  # E_carry [n·H], added to rejected target taps before fc; zero = no-op
             self.carry_embed = nn.Parameter(torch.zeros(self.backbone.fc.in_features))
+        if self.cfg.retrace:  # the rejected suffix's gated residual into the block inputs; zero = no-op
+            self.recycle = RecycleGate(self.sizes.hidden_size, self.sizes.rms_norm_eps)
 
     def build_backbone(self) -> nn.Module:
         """The block backbone (drafters with another backbone over DFlash's block layout override it)."""
@@ -183,19 +188,26 @@ class DFlashDrafter(Drafter):
         return self.backbone.context_kv(hidden.to(self.backbone.fc.weight.dtype), positions)
 
     def block_states(self, input_ids: Tensor, anchors: Tensor, context: list[KV], visible: Tensor,
-                     block_ids: Tensor | None = None) -> Tensor:
+                     block_ids: Tensor | None = None, recycled: Recycled | None = None) -> Tensor:
         """Every anchor's block in one backbone pass → z [B, A, bs, H].
 
         input_ids [B, T] (block slot 0 = the token at the anchor), anchors [B, A] (-1 unused),
         context per layer K/V [B, h_kv, S, d], visible [B, A, S] bool: rows block a may read;
-        block_ids [B, A, bs]: the blocks' input tokens (default ``anchor_blocks``: anchor, masks)."""
+        block_ids [B, A, bs]: the blocks' input tokens (default ``anchor_blocks``: anchor, masks);
+        recycled (ReTrace, states [B, A, bs, H]): rejected drafts fused into the inputs."""
         b, a = anchors.shape
         bs = self.cfg.block_size
         ids = block_ids if block_ids is not None else self.anchor_blocks(input_ids, anchors)
         positions = anchors.clamp_min(0).unsqueeze(-1) + torch.arange(bs, device=anchors.device)
         mask = blocks_mask(visible, bs)
-        z = self.backbone(self.embed(ids.view(b, a * bs)), positions.view(b, a * bs), context, mask)
+        x = self.block_embed(ids, recycled)  # [B, A, bs, H]
+        z = self.backbone(x.view(b, a * bs, -1), positions.view(b, a * bs), context, mask)
         return z.view(b, a, bs, -1)
+
+    def block_embed(self, ids: Tensor, recycled: Recycled | None) -> Tensor:
+        """Block input tokens [..., bs] → embeddings [..., bs, H], with any recycled drafts fused in."""
+        x = self.embed(ids)
+        return x if recycled is None else self.recycle(x, recycled)
 
     def anchor_blocks(self, input_ids: Tensor, anchors: Tensor) -> Tensor:
         """[B, T], anchors [B, A] → the blocks' input tokens [B, A, bs]: the anchor's token, masks."""
@@ -308,7 +320,7 @@ class DFlashDrafter(Drafter):
         (drafters that run several passes per round reuse it with other block tokens)."""
         bs, context = self.cfg.block_size, self.propose_context(state)
         positions = state.length + torch.arange(bs).expand(rows, bs)
-        return lambda ids: self.backbone(self.embed(ids), positions.to(ids.device), context, None)
+        return lambda ids: self.backbone(self.block_embed(ids, state.recycled), positions.to(ids.device), context, None)
 
     def rows_runner(self, states: list[DraftState], dev: torch.device) -> Callable[[Tensor], Tensor]:
         """``block_runner`` for many batch-1 states at once: their contexts right-padded and masked."""
@@ -320,7 +332,8 @@ class DFlashDrafter(Drafter):
         mask = torch.cat([seen, seen.new_ones(r, bs)], dim=1)[:, None, None, :].expand(r, 1, bs, width + bs)
         starts = torch.tensor([s.length for s in states], device=dev)
         positions = starts[:, None] + torch.arange(bs, device=dev)[None, :]  # [R, bs]
-        return lambda ids: self.backbone(self.embed(ids), positions, context, mask)
+        recycled = stack_recycled([s.recycled for s in states], bs, self.sizes.hidden_size, dev)
+        return lambda ids: self.backbone(self.block_embed(ids, recycled), positions, context, mask)
 
     def propose_context(self, state: DraftState) -> list[KV]:
         """The K/V a block reads: committed rows [B, h_kv, length, d] then any carryover rows
@@ -336,7 +349,24 @@ class DFlashDrafter(Drafter):
                 Capability.BLOCK_INTERNALS, Capability.HEAD_START, Capability.ROUND_LIMIT}
         if self.cfg.carryover:  # carry_embed exists only then
             caps.add(Capability.CARRYOVER)
+        if self.cfg.retrace:  # the recycle gate exists only then
+            caps.add(Capability.RECYCLES)
         return frozenset(caps)
+
+    def with_recycled(self, state: DraftState, proposal: Proposal, accepted: int, next_token: Tensor) -> DraftState:
+        """ReTrace: the state plus this round's rejected drafts (``proposal.states`` [B, G, H] and
+        tokens [B, G], ``accepted`` of them accepted, ``next_token`` [B] the target's correction),
+        aligned with the next block's slots (``retrace.align``); none after a full accept or
+        without slot states (a multi-stage round)."""
+        if Capability.RECYCLES not in self.capabilities():
+            raise DrafterError(f"drafter '{self.cfg.name}' has no recycle gate: build or load it with "
+                               "drafter.retrace=true (and train it with the 'retrace' objective)")
+        g = proposal.tokens.shape[1]
+        if proposal.states is None or accepted >= g:
+            return dataclasses.replace(state, recycled=None)
+        m = torch.full(proposal.tokens.shape[:1], accepted, dtype=torch.long, device=proposal.tokens.device)
+        rec = align(proposal.states, proposal.tokens, m, next_token, self.cfg.block_size, self.first_slot, self.embed)
+        return dataclasses.replace(state, recycled=rec)
 
     @torch.no_grad()
     def head_start(self, model: nn.Module) -> None:

@@ -134,6 +134,19 @@ class TargetKV:
 
 
 @dataclass
+class Recycled:
+    """ReTrace: the last round's rejected drafts as inputs of the next block (one round).
+
+    Slot s of the next block gets the drafter's own state of the draft that predicted the token
+    slot s predicts (``present`` where such a draft exists), and every slot the verification's
+    verdict at the first rejected draft: embed(the target's token there) − embed(the draft)."""
+
+    states: Tensor  # [B, bs, H] the drafter's slot states of rejected drafts, aligned (zeros where absent)
+    present: Tensor  # [B, bs] bool
+    signal: Tensor  # [B, H]
+
+
+@dataclass
 class DraftState:
     """A batch's drafter context: everything is per committed position, so rollback = crop.
 
@@ -151,6 +164,9 @@ class DraftState:
     # engine before each ``propose`` (``with_target_kv``): views into its cache, valid for that
     # round only, dropped by ``consume`` and ``rollback``
     target_kv: TargetKV | None = None
+    # ReTrace (``Capability.RECYCLES``): the rejected suffix of the last round, read by the next
+    # ``propose`` only (``with_recycled``), dropped by ``consume`` and ``rollback``
+    recycled: Recycled | None = None
 
 
 @dataclass

@@ -173,9 +173,9 @@ class HSpecDrafter(DSparkDrafter):
 
     def __init__(self, spec: DrafterSpec, shared: SharedParts):
         cfg = spec.config
-        if cfg.carryover:
-            raise DrafterError("drafter 'hspec' keeps no context rows to carry rejected states into: "
-                               "set drafter.carryover=false")
+        if cfg.carryover or cfg.retrace:
+            raise DrafterError("drafter 'hspec' has no carryover rows or recycle gate: set drafter.carryover=false "
+                               "and drafter.retrace=false")
         taps = sorted(cfg.layer_ids or [])
         below = [t + 1 for t in taps if t + 1 < spec.target.num_layers]
         deepest = below[-min(3, int(cfg.num_layers)):]

@@ -101,9 +101,10 @@ class MultiPassDrafter(DFlashDrafter):
         if self.cfg.sample_from_anchor:
             raise DrafterError(f"{self.cfg.name} feeds drafts back into their own slots: it needs DFlash's layout "
                                "(drafter.sample_from_anchor=false)")
-        if self.cfg.carryover:
-            raise DrafterError(f"{self.cfg.name} has no carryover (its passes would read the carried rows "
-                               "differently from how the carryover objective trains them): set drafter.carryover=false")
+        if self.cfg.carryover or self.cfg.retrace:
+            raise DrafterError(f"{self.cfg.name} has no carryover or recycling (its passes would read the carried "
+                               "rows or recycled drafts differently from how those objectives train them): set "
+                               "drafter.carryover=false and drafter.retrace=false")
 
     def capabilities(self) -> frozenset[Capability]:
         return frozenset(super().capabilities() - {Capability.BLOCK_INTERNALS, Capability.CARRYOVER})

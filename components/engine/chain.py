@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from components.drafters.base import Proposal
+from components.drafters.capabilities import Capability, has
 from components.engine.cache.slab import preallocate
 from components.engine.core import (
     EngineDrafter,
@@ -91,7 +92,7 @@ def chain_round(target: Any, drafter: EngineDrafter, settings: EngineSettings, r
     sync_device(dev)
     t1 = time.perf_counter()
     result, hidden, cache = verify_chain(target, drafter, rule, seq, prop, drafts, rnd)
-    seq = accept_chain(drafter, settings, seq, drafts, result, hidden, cache, res)
+    seq = accept_chain(drafter, settings, seq, drafts, result, hidden, cache, res, prop)
     sync_device(dev)
     res.draft_seconds += t1 - t0
     res.verify_seconds += time.perf_counter() - t1
@@ -167,16 +168,17 @@ def verify_chain(target: Any, drafter: EngineDrafter, rule: Rule, seq: SequenceS
 
 
 def accept_chain(drafter: EngineDrafter, settings: EngineSettings, seq: SequenceState, drafts: Tensor,
-                 result: VerifyResult, hidden: Tensor | None, cache: Any, res: GenerationResult) -> SequenceState:
+                 result: VerifyResult, hidden: Tensor | None, cache: Any, res: GenerationResult,
+                 proposal: Proposal | None = None) -> SequenceState:
     """drafts [1, G], hidden [1, G+1, n, H]: commits x_{n-1} + the accepted drafts (crops the
     cache, feeds their hidden states to the drafter, ``commit_round``); G = 0: x_{n-1} alone,
-    a plain round."""
+    a plain round. ``proposal``: the round's (for a drafter that recycles rejected drafts)."""
     a = int(result.num_accepted[0])
     crop_cache(cache, seq.length + a)  # positions now in the cache: x_0 .. x_{n-1+a}
     tokens = torch.cat([seq.last_token[:, None], drafts[:, :a]], dim=1)  # [1, a+1]
     kept = hidden[:, : a + 1] if hidden is not None else None
     state = drafter.consume(seq.draft_state, tokens, kept)  # drops any earlier carry
-    seq, _ = commit_round(drafter, settings, seq, state, drafts, a, result.next_token, hidden, res, cache)
+    seq, _ = commit_round(drafter, settings, seq, state, drafts, a, result.next_token, hidden, res, cache, proposal)
     return seq
 
 
@@ -195,17 +197,22 @@ def carry_over(drafter: EngineDrafter, settings: EngineSettings, state: Any, hid
 
 def commit_round(drafter: EngineDrafter, settings: EngineSettings, seq: SequenceState, state: Any,
                  drafts: Tensor | None, accepted: int, next_token: Tensor, hidden: Tensor | None,
-                 res: GenerationResult, cache: Any = None) -> tuple[SequenceState, list[int]]:
+                 res: GenerationResult, cache: Any = None,
+                 proposal: Proposal | None = None) -> tuple[SequenceState, list[int]]:
     """The sequence after a round that accepted ``accepted`` of ``drafts`` [1, G] (None or G = 0:
     a plain round, which carries nothing over) and chose ``next_token`` [1]; ``state``: the
-    drafter state after consuming them (None: plain decoding). Attaches carryover rows, counts
-    the round in ``res``; returns the new sequence and the tokens emitted."""
+    drafter state after consuming them (None: plain decoding). Attaches carryover rows and, for a
+    drafter declaring ``Capability.RECYCLES`` (ReTrace), the round's rejected drafts
+    (``proposal``'s, read by the next block only); counts the round in ``res``; returns the new
+    sequence and the tokens emitted."""
     if drafts is not None and drafts.shape[1] == 0:
         drafts = None
     num_drafts = 0 if drafts is None else drafts.shape[1]
     carried = 0
     if state is not None:
         state, carried = carry_over(drafter, settings, state, hidden, num_drafts, accepted, seq.length + accepted)
+        if drafts is not None and proposal is not None and has(drafter, Capability.RECYCLES):
+            state = drafter.with_recycled(state, proposal, accepted, next_token)
     emitted = ([] if drafts is None else drafts[0, :accepted].tolist()) + [int(next_token[0])]
     res.add_round(accepted if drafts is not None else None, num_drafts, seq.carry_rows)
     new = SequenceState(cache, state, next_token, seq.length + accepted + 1, seq.new_tokens + emitted, carried)

@@ -58,8 +58,9 @@ its latest round stand in (the engine's estimate otherwise).
 Capabilities (``drafters.capabilities``): ``OWN_CONTEXT`` always (suffix rounds continue over
 stages; a trained drafter that does not declare it gets no later stages: its proposals' states
 are dropped, so the engine never asks it for ``consume_own``); ``CARRYOVER``,
-``BATCHED_PROPOSE``, ``BATCHED_CONSUME`` and ``TARGET_KV`` when the trained drafter declares
-them; never a tree head or block internals (objectives and exporters work on the trained
+``BATCHED_PROPOSE``, ``BATCHED_CONSUME``, ``TARGET_KV`` and ``RECYCLES`` when the trained
+drafter declares them (a suffix round's proposal has no slot states, so nothing is recycled
+after it); never a tree head or block internals (objectives and exporters work on the trained
 drafter itself). The target's K/V views (``with_target_kv``, before each round) go to the
 trained side's state, whoever then drafts: a suffix round does not read them, and ``consume``
 drops them either way.
@@ -92,7 +93,8 @@ from components.engine.suffix import (
 from components.spec.sampling import SamplingParams
 
 SUFFIX, MODEL = "suffix", "model"  # the sides, as ``drafted_by`` counts them
-PASSED_ON = (Capability.CARRYOVER, Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.TARGET_KV)
+PASSED_ON = (Capability.CARRYOVER, Capability.BATCHED_PROPOSE, Capability.BATCHED_CONSUME, Capability.TARGET_KV,
+             Capability.RECYCLES)
 
 
 @dataclass
@@ -174,6 +176,16 @@ class HybridDrafter:
     def with_carry(self, state: HybridState, hidden_rej: Tensor, start_position: int) -> HybridState:
         """Carryover rows (hidden_rej [1, k, n, H], k ≤ γ) for the trained side, whoever drafted."""
         return dataclasses.replace(state, trained=self.trained.with_carry(state.trained, hidden_rej, start_position))
+
+    @property
+    def recycle(self) -> Any:  # (declared with RECYCLES only)
+        return self.trained.recycle
+
+    def with_recycled(self, state: HybridState, proposal: Proposal, accepted: int, next_token: Tensor) -> HybridState:
+        """The round's rejected drafts for the trained side (a suffix round's proposal has no slot
+        states: nothing is recycled after it)."""
+        return dataclasses.replace(state, trained=self.trained.with_recycled(state.trained, proposal, accepted,
+                                                                             next_token))
 
     def with_target_kv(self, state: HybridState, kv: TargetKV) -> HybridState:
         """Views of the target's K/V over the committed context (``kv``) for the trained side,

@@ -243,7 +243,8 @@ class BatchEngine:
         shared = (time.perf_counter() - t0) / len(rows)
         for b, (row, (a, nxt)) in enumerate(zip(rows, verdicts)):
             row.seq, emitted = commit_round(self.drafter, self.settings, row.seq, states[b], row.drafts, a, nxt,
-                                            hidden[b:b + 1] if hidden is not None else None, row.result)
+                                            hidden[b:b + 1] if hidden is not None else None, row.result,
+                                            proposal=row.proposal)
             row.result.verify_seconds += forward_seconds + shared
             out = row.output(emitted, len(row.seq.new_tokens) - len(emitted))
             outs.append(out)

@@ -9,6 +9,7 @@ the previous one produced.
 - ``opd``: Draft-OPD: blocks where simulated greedy rounds start, two-stream OPD loss;
 - ``dloop``: DLoop loop-aware training: later stages read the drafter's own states;
 - ``carryover``: draft → verify → re-draft with the target's rejected states as extra context;
+- ``retrace``: draft → verify → re-draft with the drafter's own rejected drafts fused into the block inputs;
 - ``edr``: the expected number of rounds over each whole rollout, exactly (blocks at every anchor);
 - ``base_anchored``: Domino's curriculum, the loss moved from the backbone's logits to the causal head's.
 
@@ -16,7 +17,15 @@ Objectives register with ``@register_objective(name)``; nothing outside this pac
 on an objective's name.
 """
 
-from components.training.objectives import carryover, curriculum, dloop, edr, offline, opd  # noqa: F401  (registers them)
+from components.training.objectives import (  # noqa: F401  (registers them)
+    carryover,
+    curriculum,
+    dloop,
+    edr,
+    offline,
+    opd,
+    retrace,
+)
 from components.training.objectives.base import (
     OBJECTIVES,
     Objective,

@@ -71,6 +71,41 @@ class FirstDraft:
     checkable: Tensor  # [B, A] long, drafts inside the sequence and supervised
     second: Tensor  # [B, A] long, a2 = a + m + 1 where its block can be trained, else -1
     rows: Tensor  # [B, A] long, carryover rows γ − m (0: full accept or no second block)
+    states: Tensor | None = None  # [B, A, γ, H] the drafter's slot states of the drafts (no gradient)
+
+
+@torch.no_grad()
+def first_drafts(d: Any, batch: DraftBatch, anchors: Tensor, chunk: int) -> FirstDraft:
+    """Greedy free-running drafts of every anchor's block (what ``propose`` would draft), in
+    no-gradient passes of ``chunk`` anchors, with where each re-draft starts (module docstring);
+    ``d``: a drafter declaring ``block_internals``."""
+    was_training = d.training
+    d.eval()
+    try:
+        t = batch.input_ids.shape[1]
+        gamma = d.max_speculative_tokens
+        context = d.target_context(batch.hidden)
+        drafts = torch.zeros(*anchors.shape, gamma, dtype=torch.long, device=anchors.device)
+        states = None
+        for lo in range(0, anchors.shape[1], chunk):
+            a = anchors[:, lo:lo + chunk]
+            visible = torch.arange(t, device=a.device).view(1, 1, -1) < a.clamp_min(0).unsqueeze(-1)
+            z = d.draft_states(d.block_states(batch.input_ids, a, context, visible))  # [B, A', γ, H]
+            last = torch.gather(batch.input_ids, 1, a.clamp(0, t - 1))
+            prop = d.sample_readout(z.reshape(-1, gamma, z.shape[-1]), last.reshape(-1), GREEDY, None)
+            drafts[:, lo:lo + a.shape[1]] = prop.tokens.view(*a.shape, gamma)
+            if states is None:
+                states = z.new_zeros(*anchors.shape, gamma, z.shape[-1])
+            states[:, lo:lo + a.shape[1]] = z
+    finally:
+        d.train(was_training)
+    tokens, valid = block_tokens(batch, anchors, gamma)  # [B, A, γ] x_{a+1..a+γ}, checkable
+    accepted = torch.cumprod(((drafts == tokens) & valid).to(torch.int32), dim=-1).sum(-1).long()
+    checkable = valid.sum(-1).long()
+    second = anchors + accepted + 1
+    second = torch.where(_supervised_next(batch, second) & (checkable > 0), second, torch.full_like(second, -1))
+    rows = torch.where((accepted < checkable) & (second >= 0), gamma - accepted, torch.zeros_like(accepted))
+    return FirstDraft(anchors, drafts, accepted, checkable, second, rows, states)
 
 
 def _supervised_next(batch: DraftBatch, anchors: Tensor) -> Tensor:
@@ -109,33 +144,9 @@ class CarryoverObjective(Objective):
         super().__init__(drafter, loss, params, context)
 
     # ------------------------------------------------------------------ 1. first draft
-    @torch.no_grad()
     def first_draft(self, batch: DraftBatch, anchors: Tensor) -> FirstDraft:
         """Greedy free-running drafts of every anchor's block (what ``propose`` would draft)."""
-        d = self.drafter
-        was_training = d.training
-        d.eval()
-        try:
-            t = batch.input_ids.shape[1]
-            gamma = d.max_speculative_tokens
-            context = d.target_context(batch.hidden)
-            drafts = torch.zeros(*anchors.shape, gamma, dtype=torch.long, device=anchors.device)
-            for lo in range(0, anchors.shape[1], self.params.chunk):
-                a = anchors[:, lo:lo + self.params.chunk]
-                visible = torch.arange(t, device=a.device).view(1, 1, -1) < a.clamp_min(0).unsqueeze(-1)
-                z = d.draft_states(d.block_states(batch.input_ids, a, context, visible))  # [B, A', γ, H]
-                last = torch.gather(batch.input_ids, 1, a.clamp(0, t - 1))
-                prop = d.sample_readout(z.reshape(-1, gamma, z.shape[-1]), last.reshape(-1), GREEDY, None)
-                drafts[:, lo:lo + a.shape[1]] = prop.tokens.view(*a.shape, gamma)
-        finally:
-            d.train(was_training)
-        tokens, valid = block_tokens(batch, anchors, gamma)  # [B, A, γ] x_{a+1..a+γ}, checkable
-        accepted = torch.cumprod(((drafts == tokens) & valid).to(torch.int32), dim=-1).sum(-1).long()
-        checkable = valid.sum(-1).long()
-        second = anchors + accepted + 1
-        second = torch.where(_supervised_next(batch, second) & (checkable > 0), second, torch.full_like(second, -1))
-        rows = torch.where((accepted < checkable) & (second >= 0), gamma - accepted, torch.zeros_like(accepted))
-        return FirstDraft(anchors, drafts, accepted, checkable, second, rows)
+        return first_drafts(self.drafter, batch, anchors, self.params.chunk)
 
     # ------------------------------------------------------------------ 2. verification
     @torch.no_grad()

@@ -146,7 +146,7 @@ def test_errors_name_what_to_fix(tiny_target, ids, dr):
         d.with_target_kv(state, TargetKV([1], [(torch.zeros(2, 1, 8, 32), torch.zeros(2, 1, 8, 32))]))
     with pytest.raises(DrafterError, match=r"drafter.kv_layers \[1, 4\]: each must be one past a tap"):
         dr.make(tiny_target, "hspec", kv_layers=[1, 4])
-    with pytest.raises(DrafterError, match="carryover=false"):
+    with pytest.raises(DrafterError, match="carryover=false and drafter.retrace=false"):
         dr.make(tiny_target, "hspec", carryover=True)
 
 

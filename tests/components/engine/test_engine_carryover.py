@@ -86,8 +86,9 @@ def test_next_proposal_equals_the_objectives_second_block(tiny_target, name, mon
     engine = SpeculativeEngine(tiny_target, drafter, rule="greedy", carryover=True)
     gamma, rounds = drafter.max_speculative_tokens, []
 
-    def recording_accept(drafter_, settings, seq, drafts, result, hidden, cache, res, accept=chain.accept_chain):
-        new = accept(drafter_, settings, seq, drafts, result, hidden, cache, res)
+    def recording_accept(drafter_, settings, seq, drafts, result, hidden, cache, res, proposal=None,
+                         accept=chain.accept_chain):
+        new = accept(drafter_, settings, seq, drafts, result, hidden, cache, res, proposal)
         rounds.append((seq.length - 1, drafts[0].clone(), int(result.num_accepted[0]), hidden.clone(), new))
         return new
 

@@ -85,8 +85,8 @@ def test_cache_cropped_to_committed_length_no_recompute(tiny_target, references,
     lengths: list[tuple[int, int]] = []
     accept = chain.accept_chain
 
-    def checked_accept(drafter, settings, seq, drafts, result, hidden, cache, res):
-        new = accept(drafter, settings, seq, drafts, result, hidden, cache, res)
+    def checked_accept(drafter, settings, seq, drafts, result, hidden, cache, res, proposal=None):
+        new = accept(drafter, settings, seq, drafts, result, hidden, cache, res, proposal)
         lengths.append((new.cache.get_seq_length(), new.length - 1))
         assert new.draft_state.length == new.length - 1
         return new

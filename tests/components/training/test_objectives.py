@@ -163,15 +163,16 @@ def test_chain_resolves_losses_and_overrides_and_names_mistakes():
 # beyond the core interface.
 REQUIRES = {"dloop": (Capability.BLOCK_INTERNALS, Capability.OWN_CONTEXT),
             "carryover": (Capability.BLOCK_INTERNALS, Capability.CARRYOVER),
+            "retrace": (Capability.BLOCK_INTERNALS, Capability.RECYCLES),
             "edr": (Capability.BLOCK_INTERNALS,),
             "base_anchored": (Capability.BASE_LOGITS,)}
 
 
 def _declaring(target, monkeypatch, keep):
-    """A DSpark drafter with E_carry whose ``capabilities()`` declares only what ``keep(declared)``
+    """A DSpark drafter with E_carry and the recycle gate whose ``capabilities()`` declares only what ``keep(declared)``
     returns: it still has every method, so only the declaration can make an objective refuse it."""
     torch.manual_seed(0)
-    drafter = build_drafter(dataclasses.replace(DRAFTERS["dspark"], carryover=True), target)
+    drafter = build_drafter(dataclasses.replace(DRAFTERS["dspark"], carryover=True, retrace=True), target)
     declared = frozenset(keep(drafter.capabilities()))
     monkeypatch.setattr(drafter, "capabilities", lambda: declared)
     return drafter
