@@ -13,8 +13,8 @@ split). Variants:
 * loss: dspark trained with lk_hybrid and with bv instead of the DSpark mix;
 * storage: dspark on the same rollouts re-encoded to int8 (per-row absmax) instead of float16;
 * chain: the offline dspark drafter (or ``--base``, one trained elsewhere) continued for
-  ``--extra`` steps with a fresh optimizer by offline (the control), opd, carryover, dloop or
-  edr — equal total steps for all (``--chain`` picks some of them).
+  ``--extra`` steps with a fresh optimizer by offline (the control), opd, carryover, dloop,
+  edr or retrace — equal total steps for all (``--chain`` picks some of them).
 
 Every variant is sized alike: ``--num-layers`` sets drafter.num_layers (unset: each drafter's own
 default) and ``--draft-vocab DV`` drafter.draft_vocab_size (0: the full vocabulary). With DV > 0 each
@@ -59,14 +59,14 @@ from components.engine import SpeculativeEngine
 from components.losses import build_loss
 from components.target import load_target
 from components.training import collate, evaluate_records, heldout_ids, new_train_state, train_step
-from components.training.objectives import ObjectiveContext, build_objective
+from components.training.objectives import ObjectiveContext, build_objective, objective_class
 
 DSPARK = DrafterConfig(name="dspark", block_size=7, markov_rank=32)
 DRAFTERS = {"dspark": (DSPARK, "tv_ce_confidence"),
             "dflash": (DrafterConfig(name="dflash", block_size=8), "kl"),
             "eagle3": (DrafterConfig(name="eagle3", ttt_steps=7), "kl")}
 EXTRA_LOSS = {"offline": "tv_ce_confidence", "opd": "opd", "carryover": "tv_ce_confidence", "dloop": "tv_ce_confidence",
-              "edr": "tv_ce_confidence"}  # edr forms its own loss
+              "edr": "tv_ce_confidence", "retrace": "tv_ce_confidence"}  # edr forms its own loss
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,6 +90,8 @@ def parse_args() -> argparse.Namespace:
                     "chosen from the training split's response tokens (0: the full vocabulary)")
     ap.add_argument("--base", default=None, help="a trained dspark drafter directory the chain variants continue "
                     "from (its own held-out figures are reported as 'dspark'), instead of training one for --steps")
+    ap.add_argument("--max-anchors", type=int, default=0, help="first-draft anchors per record of the chained "
+                    "objectives that draft twice (carryover, retrace; 0: the drafter's num_anchors)")
     ap.add_argument("--mixed-precision", default="no", help="train.mixed_precision of every variant (no | auto | bf16)")
     ap.add_argument("--out", default="bench-objectives.json")
     return ap.parse_args()
@@ -130,7 +132,8 @@ def train(drafter: Any, objective: str, loss: str, records: list[Record], steps:
           target: Any, lr: float, warmup: int) -> dict[str, float]:
     """``steps`` optimizer steps of ``objective`` over ``records`` (fixed order, cycling)."""
     tc = TrainConfig(lr=lr, warmup_steps=warmup, seed=0, mixed_precision=args.mixed_precision)
-    obj = build_objective(objective, drafter, build_loss(loss), {}, ObjectiveContext(target))
+    params = {"max_anchors": args.max_anchors} if objective in ("carryover", "retrace") else {}
+    obj = build_objective(objective, drafter, build_loss(loss), params, ObjectiveContext(target))
     state = new_train_state(drafter, tc, steps, seed=0, objective=obj)
     order = np.random.default_rng(0).permutation(len(records))
     t0, losses = time.perf_counter(), []
@@ -200,8 +203,8 @@ def run_groups(args: argparse.Namespace, target: Any, train_set: list[Record], h
         for objective in args.chain.split(","):
             loss = EXTRA_LOSS[objective]
             drafter = copy.deepcopy(base)
-            if objective == "carryover":  # the objective adds E_carry (zero) to the offline drafter
-                drafter = _with_carry(base, target)
+            if objective in ("carryover", "retrace"):  # E_carry / the recycle gate, zero: the offline drafter
+                drafter = _rebuilt(base, target, objective)
             same_vocab(drafter, base)
             stats = train(drafter, objective, loss, train_set, args.extra, args, target, args.extra_lr, 2)
             row = {**stats, **heldout_eval(drafter, held), **describe(drafter),
@@ -215,11 +218,13 @@ def run_groups(args: argparse.Namespace, target: Any, train_set: list[Record], h
     return results
 
 
-def _with_carry(base: Any, target: Any) -> Any:
-    """``base`` rebuilt with the carryover embedding (zero) and its weights copied."""
-    drafter = fresh(dataclasses.replace(base.cfg, carryover=True), target)
+def _rebuilt(base: Any, target: Any, objective: str) -> Any:
+    """``base`` rebuilt with what ``objective`` adds (its ``drafter_overrides``: the carryover
+    embedding, the recycle gate; both start as no-ops) and its weights copied."""
+    overrides = objective_class(objective).drafter_overrides
+    drafter = fresh(dataclasses.replace(base.cfg, **overrides), target)
     missing = drafter.load_state_dict(base.state_dict(), strict=False).missing_keys
-    assert set(missing) <= {"carry_embed"}, missing
+    assert all(k == "carry_embed" or k.startswith("recycle.") for k in missing), missing
     return drafter
 
 

@@ -42,6 +42,7 @@ nothing about batching, trees, tokenization or drafter families.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -212,7 +213,8 @@ def commit_round(drafter: EngineDrafter, settings: EngineSettings, seq: Sequence
     if state is not None:
         state, carried = carry_over(drafter, settings, state, hidden, num_drafts, accepted, seq.length + accepted)
         if drafts is not None and proposal is not None and has(drafter, Capability.RECYCLES):
-            state = drafter.with_recycled(state, proposal, accepted, next_token)
+            verified = dataclasses.replace(proposal, tokens=drafts)  # a rule may pick other tokens than drawn
+            state = drafter.with_recycled(state, verified, accepted, next_token)
     emitted = ([] if drafts is None else drafts[0, :accepted].tolist()) + [int(next_token[0])]
     res.add_round(accepted if drafts is not None else None, num_drafts, seq.carry_rows)
     new = SequenceState(cache, state, next_token, seq.length + accepted + 1, seq.new_tokens + emitted, carried)
