@@ -26,7 +26,8 @@ keep it (it is in the state dict). A drafter whose default taps were not all cap
 Reported per variant: held-out τ from distributions (1 − TV, random anchors), simulated greedy
 τ (rounds where they start, greedy drafts against the recorded tokens) and, for the chain
 variants, the engine's measured τ on held-out prompts (greedy, γ = block; offline and dloop
-also with 3 loop stages, gate ``--gate``; carryover also with carryover context on), and how its
+also with 3 loop stages, gate ``--gate``; carryover also with carryover context on; retrace also
+with its recycle gate closed), and how its
 drafter is sized (taps, draft layers, readout vocabulary, parameters). Prints a table and writes
 ``--out`` (JSON). Nothing about τ is asserted (only that chained drafters keep their vocabulary).
 Carryover is by far the slowest variant: each step verifies every rejected first draft (up to
@@ -213,6 +214,8 @@ def run_groups(args: argparse.Namespace, target: Any, train_set: list[Record], h
                 row["engine_tau_loop3"] = engine_tau(target, drafter, held, args, 3)
             if objective == "carryover":
                 row["engine_tau_carry"] = engine_tau(target, drafter, held, args, 1, carryover=True)
+            if objective == "retrace":  # the same drafter with its gate closed: what recycling adds at inference
+                row["engine_tau_no_recycle"] = engine_tau(target, _gate_closed(drafter), held, args, 1)
             results[f"dspark→{objective}"] = row
             print(f"dspark→{objective}", json.dumps(row), flush=True)
     return results
@@ -226,6 +229,15 @@ def _rebuilt(base: Any, target: Any, objective: str) -> Any:
     missing = drafter.load_state_dict(base.state_dict(), strict=False).missing_keys
     assert all(k == "carry_embed" or k.startswith("recycle.") for k in missing), missing
     return drafter
+
+
+def _gate_closed(drafter: Any) -> Any:
+    """A copy of a retrace drafter whose recycle gate adds nothing (its projections zeroed)."""
+    closed = copy.deepcopy(drafter)
+    with torch.no_grad():
+        closed.recycle.state_proj.weight.zero_()
+        closed.recycle.signal_proj.weight.zero_()
+    return closed
 
 
 def describe(drafter: Any) -> dict[str, Any]:
