@@ -269,12 +269,12 @@ def main() -> None:
     print(f"{len(train_set)} train / {len(held)} held-out records, {args.steps} steps × {args.batch}", flush=True)
     results = run_groups(args, target, train_set, held, list(meta["layer_ids"]))
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    cols = ("engine_tau", "engine_tau_loop3", "engine_tau_carry")
+    cols = ("engine_tau", "engine_tau_loop3", "engine_tau_carry", "engine_tau_no_recycle")
     print(f"\n{'variant':<20} {'τ (1−TV)':>9} {'sim τ':>7} {'engine τ':>9} {'loop×3 τ':>9} {'carry τ':>8} "
-          f"{'loss':>7} {'s':>6}")
+          f"{'gate shut τ':>11} {'loss':>7} {'s':>6}")
     for name, r in results.items():
-        eng, loop, carry = (f"{r[c]:.3f}" if c in r else "-" for c in cols)
-        print(f"{name:<20} {r['tau_tv']:>9.3f} {r['sim_tau']:>7.3f} {eng:>9} {loop:>9} {carry:>8} "
+        eng, loop, carry, shut = (f"{r[c]:.3f}" if c in r else "-" for c in cols)
+        print(f"{name:<20} {r['tau_tv']:>9.3f} {r['sim_tau']:>7.3f} {eng:>9} {loop:>9} {carry:>8} {shut:>11} "
               f"{r['loss_last']:>7.3f} {r['seconds']:>6.0f}")
 
 
