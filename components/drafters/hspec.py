@@ -234,9 +234,6 @@ class HSpecDrafter(DSparkDrafter):
                 for layer in self.target_kv_layers]
 
     # ---------------------------------------------------------------- inference
-    def init_state(self, batch_size: int) -> DraftState:
-        return DraftState()
-
     def consume(self, state: DraftState, tokens: Tensor, hidden: Tensor) -> DraftState:
         """Keeps the fused summaries of the last ``TAIL`` positions (and the length): O(1) in context."""
         t = tokens.shape[1]
@@ -281,16 +278,17 @@ class HSpecDrafter(DSparkDrafter):
         """``block_runner`` for many batch-1 states: their windows right-padded into one tensor, masked."""
         windows = [self._window(s) for s in states]
         width, bs, r = max(kv[0][0].shape[2] for kv, _ in windows), self.cfg.block_size, len(states)
-        seen = torch.zeros(r, width, dtype=torch.bool, device=dev)
+        seen = torch.zeros(r, width, dtype=torch.bool, device=dev)  # [R, W] slots each row reads
+        for i, (kv, mask) in enumerate(windows):
+            seen[i, :kv[0][0].shape[2]] = True if mask is None else mask[0]
         padded: list[KV] = []
         for j in range(len(self.target_kv_layers)):
             k0 = windows[0][0][j][0]
-            keys = k0.new_zeros(r, k0.shape[1], width, k0.shape[3])
+            keys = k0.new_zeros(r, k0.shape[1], width, k0.shape[3])  # [R, h_kv, W, d]
             values = keys.clone()
-            for i, (kv, mask) in enumerate(windows):
+            for i, (kv, _) in enumerate(windows):
                 n = kv[j][0].shape[2]
                 keys[i, :, :n], values[i, :, :n] = kv[j][0][0], kv[j][1][0]
-                seen[i, :n] = True if mask is None else mask[0]
             padded.append((keys, values))
         mask = torch.cat([seen, seen.new_ones(r, bs)], 1)[:, None, None].expand(r, 1, bs, width + bs)
         positions = torch.tensor([s.length for s in states], device=dev)[:, None, None] + torch.arange(bs, device=dev)
