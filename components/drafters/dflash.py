@@ -400,7 +400,8 @@ class DFlashDrafter(Drafter):
     def with_carry(self, state: DraftState, hidden_rej: Tensor, start_position: int) -> DraftState:
         """Carryover rows from the target taps hidden_rej [B, k, n, H] of rejected drafts:
         ``features_kv(fuse(hidden_rej + E_carry))`` at positions start_position..+k-1, exactly as
-        the carryover objective builds them; any earlier carry is replaced, k = 0 clears it."""
+        the carryover objective builds them; any earlier carry is replaced, k = 0 clears it. The
+        rest of ``state`` (target K/V views, recycled drafts) is kept."""
         if Capability.CARRYOVER not in self.capabilities():
             raise DrafterError(f"drafter '{self.cfg.name}' has no carryover embedding: build or load it with "
                                "drafter.carryover=true (and train it with the 'carryover' objective)")
@@ -408,11 +409,11 @@ class DFlashDrafter(Drafter):
         if k > self.max_speculative_tokens:
             raise DrafterError(f"carryover context is bounded by one block ({self.max_speculative_tokens} rows), got {k}")
         if k == 0:
-            return DraftState(state.length, state.kv, state.feats)
+            return dataclasses.replace(state, carry=None, carry_rows=0)
         x = hidden_rej.to(self.backbone.fc.weight.dtype) + self.carry_embed.view(n, h)  # [B, k, n, H]
         positions = start_position + torch.arange(k, device=hidden_rej.device).expand(b, k)
         carry = self.backbone.features_kv(self.backbone.fuse(x), positions)
-        return DraftState(state.length, state.kv, state.feats, carry, k)
+        return dataclasses.replace(state, carry=carry, carry_rows=k)
 
     def consume_own(self, state: DraftState, states: Tensor) -> DraftState:
         """DLoop: the draft slots' own states [B, k, H] become context rows at positions

@@ -152,13 +152,13 @@ def _concat(props: list[Proposal]) -> Proposal:
                     torch.cat(conf, 1) if all(c is not None for c in conf) else None)
 
 
-def verify_chain(target: Any, drafter: EngineDrafter, rule: Rule, seq: SequenceState, prop: Proposal, drafts: Tensor,
+def verify_chain(target: Any, drafter: EngineDrafter, rule: Rule, seq: SequenceState, prop: Proposal | None, drafts: Tensor,
                  rnd: RoundRandomness) -> tuple[VerifyResult, Tensor | None, Any]:
     """One target forward over [x_{n-1}, drafts] [1, G+1] → (result, hidden [1, G+1, n, H], cache).
 
     G = 0: a plain step, the next token the rule's own target sample at position n (what
     ``target_only_generate`` and the batch engine's plain rows draw; greedy: the argmax,
-    Gumbel: the same position-keyed noise), 0 drafts accepted."""
+    Gumbel: the same position-keyed noise), 0 drafts accepted; ``prop`` is not read then."""
     ids = torch.cat([seq.last_token[:, None], drafts], dim=1)
     out = target.forward(ids, layer_ids=list(drafter.layer_ids), cache=seq.cache, use_cache=True)
     where = positions(seq.length, ids.shape[1], ids.device)  # [1, G+1]

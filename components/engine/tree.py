@@ -1,5 +1,7 @@
 """Token trees in the engine (batch 1): draft a tree, verify every branch in one target pass,
 keep the accepted path. For small batches, where a wider verification pass is nearly free.
+A drafter that proposes nothing (prompt lookup without a match) makes the round a plain step,
+the chain engine's (``chain.verify_chain``), with no tree pass.
 
 One round, for committed x_0..x_{n-1} (the invariant of ``core.py``)::
 
@@ -39,7 +41,7 @@ from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING
 from components.engine.cache.ragged import keep_slots
-from components.engine.chain import num_drafts_for
+from components.engine.chain import accept_chain, num_drafts_for, verify_chain
 from components.engine.core import (
     EngineDrafter,
     GenerationResult,
@@ -95,12 +97,17 @@ def tree_round(target: Any, drafter: EngineDrafter, settings: EngineSettings, ru
     tree = draft_tree(drafter, settings, rule, seq, num_drafts_for(settings.num_speculative_tokens, remaining), rnd)
     sync_device(dev)
     t1 = time.perf_counter()
-    result, hidden, cache = verify_tree(target, drafter, rule, seq, tree, rnd)
-    seq = accept_tree(drafter, seq, tree, result, hidden, cache)
+    if tree.tokens.numel() == 0:  # the drafter proposed nothing: the chain engine's plain step
+        none = torch.zeros(1, 0, dtype=torch.long, device=dev)
+        result, hidden, cache = verify_chain(target, drafter, rule, seq, None, none, rnd)
+        seq = accept_chain(drafter, settings, seq, none, result, hidden, cache, res)  # counts a plain round
+    else:
+        result, hidden, cache = verify_tree(target, drafter, rule, seq, tree, rnd)
+        seq = accept_tree(drafter, seq, tree, result, hidden, cache)
+        res.add_round(int(result.num_accepted[0]), int(tree.tokens.numel()))
     sync_device(dev)
     res.draft_seconds += t1 - t0
     res.verify_seconds += time.perf_counter() - t1
-    res.add_round(int(result.num_accepted[0]), int(tree.tokens.numel()))
     return seq
 
 

@@ -163,7 +163,7 @@ class BatchEngine:
             if lone.pending:  # the tree round's drafter reads every committed token
                 self.drafting.flush([lone])
             outs, accepted, nodes, draft_seconds, verify_seconds = self.trees.round(self.batch, lone)
-            self._record(outputs + outs, 1, [accepted], [nodes], draft_seconds, verify_seconds, start)
+            self._record(outputs + outs, 1, accepted, nodes, draft_seconds, verify_seconds, start)
             return outputs + outs
         draft_seconds = self.drafting.draft(self.batch.rows, draining=not self.waiting, cache=self.batch.cache)
         logits, hidden, forward_seconds = self._verify_forward()

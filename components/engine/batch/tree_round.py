@@ -42,9 +42,10 @@ class TreeRounds:
         row = batch.rows[0]
         return row if row.speculates and row.rule.coupled else None
 
-    def round(self, batch: Batch, row: Row) -> tuple[list[StepOutput], int, int, float, float]:
+    def round(self, batch: Batch, row: Row) -> tuple[list[StepOutput], list[int], list[int], float, float]:
         """One tree round of ``batch``'s lone ``row`` (no deferred drafter updates left) →
-        (outputs, accepted, nodes, draft s, verify s)."""
+        (outputs, [accepted], [nodes], draft s, verify s); both lists empty when the drafter
+        proposed nothing and the round was a plain step."""
         if row.pending:
             raise RuntimeError("tree round: the row's deferred drafter updates were not consumed")
         cache = batch.cache
@@ -53,7 +54,7 @@ class TreeRounds:
         if cache.length != row.seq.length - 1:
             raise RuntimeError(f"tree round: cache holds {cache.length} slots, the row {row.seq.length - 1}")
         res, before = row.result, len(row.seq.new_tokens)
-        draft0, verify0 = res.draft_seconds, res.verify_seconds
+        draft0, verify0, drafting0 = res.draft_seconds, res.verify_seconds, len(res.accepted)
         seq = SequenceState(cache.cache, row.seq.draft_state, row.seq.last_token, row.seq.length, row.seq.new_tokens)
         seq = tree_round(self.target, self.drafter, self.settings, row.rule, seq, row.remaining, row.rnd, res)
         batch.cache = RaggedCache.single(seq.cache)
@@ -63,4 +64,5 @@ class TreeRounds:
         out = row.output(row.seq.new_tokens[before:], before)
         if out.finished:
             batch.remove([0])
-        return [out], res.accepted[-1], res.drafted[-1], res.draft_seconds - draft0, res.verify_seconds - verify0
+        accepted, nodes = res.accepted[drafting0:], res.drafted[drafting0:]  # [] after a plain step
+        return [out], accepted, nodes, res.draft_seconds - draft0, res.verify_seconds - verify0

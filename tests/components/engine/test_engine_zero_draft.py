@@ -20,6 +20,7 @@ from components.engine.core import GenerationResult, SequenceState, new_randomne
 from components.engine.model_free import TokenState, one_hot_proposal
 from components.engine.rules import get_rule
 from components.engine.settings import EngineSettings
+from components.engine.tree import TreeEngine
 from components.spec.sampling import SamplingParams
 from tests.components.engine.batch.test_continuous import batch_prompts, requests
 from tests.components.engine.doubles import MarkovTarget, counting_forwards
@@ -197,3 +198,21 @@ def test_prompt_lookup_greedy_mixes_plain_and_drafting_rounds(tiny_target):
     assert [o.tokens for o in outs] == [target_only_generate(tiny_target, p, 24).tokens for p in prompts]
     assert all(o.target_forwards == o.rounds + 1 for o in outs)
     assert 0 < sum(len(o.accepted) for o in outs) < sum(o.rounds for o in outs)
+
+
+@pytest.mark.parametrize("rule, sampling", [("greedy", SamplingParams()), ("gumbel", SAMPLED)])
+def test_tree_rounds_of_no_drafts_are_plain_steps(tiny_target, rule, sampling):
+    """A token tree from a drafter that proposed nothing is empty: that round is the chain
+    engine's plain step (no tree pass), in the tree engine and in the batch engine's lone-row
+    tree round; output stays the target's own, with both kinds of round in the mix."""
+    prompts = batch_prompts(tiny_target)
+    refs = [target_only_generate(tiny_target, p, 24, sampling, 5, rule=rule).tokens for p in prompts]
+    engine = TreeEngine(tiny_target, PromptLookupDrafter(tiny_target.vocab_size, 4), rule=rule, budget=8)
+    outs = [engine.generate(p, 24, sampling, 5) for p in prompts]
+    assert [o.tokens for o in outs] == refs
+    assert all(o.target_forwards == o.rounds + 1 for o in outs)
+    assert 0 < sum(len(o.accepted) for o in outs) < sum(o.rounds for o in outs)
+    batch = BatchEngine(tiny_target, PromptLookupDrafter(tiny_target.vocab_size, 4), max_batch_size=1, tree_budget=8)
+    got = batch.generate([Request(p, 24, sampling=sampling, seed=5, rule=rule) for p in prompts])
+    assert [r.tokens for r in got] == refs
+    assert 0 < batch.stats.drafting_rounds < batch.stats.row_rounds

@@ -97,6 +97,20 @@ def test_a_fresh_gate_is_a_no_op_and_recycling_lasts_one_round(tiny_target):
         assert dropped.recycled is None
 
 
+def test_carryover_rows_keep_the_recycled_drafts(tiny_target):
+    """A drafter with both: attaching (or clearing) carryover rows keeps what ``with_recycled``
+    attached, whichever comes first."""
+    torch.manual_seed(0)
+    d = build_drafter(dataclasses.replace(CONFIGS["dspark"], retrace=True, carryover=True), tiny_target).eval()
+    ids = torch.tensor([tiny_target.tokenizer(TEXTS[2])["input_ids"]])
+    hidden = tiny_target.forward(ids, layer_ids=d.layer_ids).hidden
+    state = d.consume(d.init_state(1), ids[:, :-3], hidden[:, :-3])
+    rec = d.with_recycled(state, d.propose(state, ids[:, -3], GREEDY), 0, ids[:, -2])
+    carried = d.with_carry(rec, hidden[:, -2:], state.length)
+    assert carried.carry_rows == 2 and carried.recycled is rec.recycled
+    assert d.with_carry(carried, hidden[:, :0], state.length).recycled is rec.recycled
+
+
 @pytest.mark.parametrize("name", ["dspark", "dflash"])
 def test_objective_trains_the_gate(tiny_target, records, name):
     d = _drafter(tiny_target, name, gate=0.0).train()
