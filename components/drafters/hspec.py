@@ -56,7 +56,7 @@ from components.drafters.base import (
 from components.drafters.capabilities import Capability
 from components.drafters.dflash import blocks_mask, sample_anchors
 from components.drafters.dspark import DSparkDrafter
-from components.drafters.layers import KV, MLP, Attention, LayerSizes, RMSNorm
+from components.drafters.layers import KV, MLP, Attention, LayerSizes, RMSNorm, pad_kv_rows
 from components.drafters.registry import register_drafter
 
 TAIL = 16  # positions whose fused summaries a state keeps: rollback reaches back TAIL - 1 of them
@@ -277,19 +277,12 @@ class HSpecDrafter(DSparkDrafter):
     def rows_runner(self, states: list[DraftState], dev: torch.device) -> Callable[[Tensor], Tensor]:
         """``block_runner`` for many batch-1 states: their windows right-padded into one tensor, masked."""
         windows = [self._window(s) for s in states]
-        width, bs, r = max(kv[0][0].shape[2] for kv, _ in windows), self.cfg.block_size, len(states)
-        seen = torch.zeros(r, width, dtype=torch.bool, device=dev)  # [R, W] slots each row reads
-        for i, (kv, mask) in enumerate(windows):
-            seen[i, :kv[0][0].shape[2]] = True if mask is None else mask[0]
+        bs, r, masks = self.cfg.block_size, len(states), [None if m is None else m[0] for _, m in windows]
         padded: list[KV] = []
-        for j in range(len(self.target_kv_layers)):
-            k0 = windows[0][0][j][0]
-            keys = k0.new_zeros(r, k0.shape[1], width, k0.shape[3])  # [R, h_kv, W, d]
-            values = keys.clone()
-            for i, (kv, _) in enumerate(windows):
-                n = kv[j][0].shape[2]
-                keys[i, :, :n], values[i, :, :n] = kv[j][0][0], kv[j][1][0]
-            padded.append((keys, values))
+        for j in range(len(self.target_kv_layers)):  # every layer's window spans the same slots
+            kv, seen = pad_kv_rows([w[j] for w, _ in windows], dev, masks)  # [R, h_kv, W, d]; [R, W]
+            padded.append(kv)
+        width = seen.shape[1]
         mask = torch.cat([seen, seen.new_ones(r, bs)], 1)[:, None, None].expand(r, 1, bs, width + bs)
         positions = torch.tensor([s.length for s in states], device=dev)[:, None, None] + torch.arange(bs, device=dev)
         summary = torch.cat([self._summary(s) for s in states])

@@ -151,12 +151,17 @@ class DecoderLayer(nn.Module):
         return self.self_attn.attend(q, keys, values, mask), (k, v)
 
 
-def pad_kv_rows(rows: list[KV | None], device: torch.device) -> tuple[KV | None, Tensor]:
+def pad_kv_rows(rows: list[KV | None], device: torch.device,
+                masks: list[Tensor | None] | None = None) -> tuple[KV | None, Tensor]:
     """Batch-1 K/V of many rows ([1, h_kv, L_i, d] each; None: none yet), right-padded to the
-    longest → ((k, v) [R, h_kv, W, d], or None when no row has any; which slots are real [R, W])."""
+    longest → ((k, v) [R, h_kv, W, d], or None when no row has any; which slots are real [R, W]).
+    ``masks[i]``: which of row i's L_i slots it may read ([L_i] bool; None: all)."""
     lens = [kv[0].shape[2] if kv is not None else 0 for kv in rows]
     width = max(lens)
     seen = torch.arange(width, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+    for i, mask in enumerate(masks or []):
+        if mask is not None:
+            seen[i, :lens[i]] = mask
     if width == 0:
         return None, seen
     k0 = next(kv[0] for kv in rows if kv is not None)
