@@ -108,6 +108,17 @@ def first_drafts(d: Any, batch: DraftBatch, anchors: Tensor, chunk: int) -> Firs
     return FirstDraft(anchors, drafts, accepted, checkable, second, rows, states)
 
 
+def first_drafts_at_sampled_anchors(d: Any, batch: DraftBatch, max_anchors: int, chunk: int,
+                                    generator: torch.Generator | None) -> FirstDraft:
+    """``first_drafts`` at the batch's anchors, else at up to ``max_anchors`` per row (0: the
+    drafter's ``num_anchors``) sampled as the offline objective samples them: the first step
+    of every draft → verify → re-draft objective (carryover, retrace)."""
+    loss_mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
+    limit = max_anchors or int(d.cfg.num_anchors)
+    anchors = batch.anchors if batch.anchors is not None else sample_anchors(loss_mask, limit, generator)
+    return first_drafts(d, batch, anchors, chunk)
+
+
 def _supervised_next(batch: DraftBatch, anchors: Tensor) -> Tensor:
     """[B, A] bool: anchor >= 0 and x_{a+1} is inside the sequence and supervised."""
     t = batch.input_ids.shape[1]
@@ -142,11 +153,6 @@ class CarryoverObjective(Objective):
             if int(getattr(params, name)) < 1:
                 raise DrafterError(f"objective 'carryover': {name} must be >= 1, got {getattr(params, name)}")
         super().__init__(drafter, loss, params, context)
-
-    # ------------------------------------------------------------------ 1. first draft
-    def first_draft(self, batch: DraftBatch, anchors: Tensor) -> FirstDraft:
-        """Greedy free-running drafts of every anchor's block (what ``propose`` would draft)."""
-        return first_drafts(self.drafter, batch, anchors, self.params.chunk)
 
     # ------------------------------------------------------------------ 2. verification
     @torch.no_grad()
@@ -218,11 +224,8 @@ class CarryoverObjective(Objective):
 
     # ------------------------------------------------------------------ the objective
     def forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> tuple[Tensor, LossOutput]:
-        d = self.drafter
-        loss_mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
-        limit = self.params.max_anchors or int(d.cfg.num_anchors)
-        anchors = batch.anchors if batch.anchors is not None else sample_anchors(loss_mask, limit, generator)
-        first = self.first_draft(batch, anchors)
+        first = first_drafts_at_sampled_anchors(self.drafter, batch, self.params.max_anchors, self.params.chunk,
+                                                generator)
         carry_hidden = self.verify(batch, first)
         width = int(first.rows.max()) if first.rows.numel() else 0
         out = self.loss(self.second_draft(batch, first.second, carry_hidden[:, :, :width],

@@ -34,11 +34,10 @@ from torch import Tensor
 
 from components.drafters.base import DraftBatch, Drafter, DrafterError, gather_positions
 from components.drafters.capabilities import Capability, require
-from components.drafters.dflash import sample_anchors
 from components.drafters.retrace import align
 from components.losses import DrafterLoss, LossOutput
 from components.training.objectives.base import Objective, ObjectiveContext, register_objective
-from components.training.objectives.carryover import first_drafts
+from components.training.objectives.carryover import first_drafts_at_sampled_anchors
 
 
 @register_objective("retrace")
@@ -62,10 +61,7 @@ class RetraceObjective(Objective):
 
     def forward(self, batch: DraftBatch, generator: torch.Generator | None = None) -> tuple[Tensor, LossOutput]:
         d: Any = self.drafter
-        loss_mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
-        limit = self.params.max_anchors or int(d.cfg.num_anchors)
-        anchors = batch.anchors if batch.anchors is not None else sample_anchors(loss_mask, limit, generator)
-        first = first_drafts(d, batch, anchors, self.params.chunk)
+        first = first_drafts_at_sampled_anchors(d, batch, self.params.max_anchors, self.params.chunk, generator)
         correction = gather_positions(batch.input_ids, first.second)  # [B, A] x_{a+m+1}
         recycled = align(first.states, first.drafts, first.accepted, correction, int(d.cfg.block_size),
                          d.first_slot, d.embed)

@@ -17,7 +17,10 @@ from components.losses import build_loss
 from components.spec.sampling import GREEDY
 from components.training import collate, new_train_state, train_step
 from components.training.objectives import ObjectiveContext, build_objective
-from components.training.objectives.carryover import CarryoverObjective
+from components.training.objectives.carryover import (
+    CarryoverObjective,
+    first_drafts_at_sampled_anchors,
+)
 from tests.components.training.test_training_steps import _record, first_step_descends
 
 DRAFTERS = {
@@ -62,7 +65,7 @@ def test_first_draft_is_free_running_and_verification_is_the_target_on_the_branc
     drafter = _drafter(tiny_target, name).eval()
     obj = _objective(tiny_target, drafter, chunk=3, verify_chunk=2)
     batch = _planted_batch(drafter, records)
-    first = obj.first_draft(batch, batch.anchors)
+    first = first_drafts_at_sampled_anchors(drafter, batch, 0, obj.params.chunk, None)  # the planted anchors
     gamma = drafter.max_speculative_tokens
     for row in range(batch.input_ids.shape[0]):
         for i, a in enumerate(ANCHORS):  # the drafts are what the engine protocol proposes
