@@ -51,7 +51,7 @@ _SIZE_FIELDS = ("hidden_size", "rope_theta", "rms_norm_eps")
 # behaviour of checkpoints written before them (so those still load).
 ADDED_FIELDS = {"carryover": False, "draft_vocab_size": None, "init_from_target": False, "edit_passes": 2,
                 "loop_prefix": None, "kv_layers": None, "kv_window": 2048, "ssm_state_size": 4,
-                "retrace": False}
+                "retrace": False, "selector_candidates": 16}
 RENAMED_FIELDS = {"num_drafts": "num_speculative_tokens"}  # old config.json name -> today's
 _META_FIELDS = ("architectures", "model_type", "specline_format_version", "layer_id_convention",
                 "target_model_id", "torch_dtype")

@@ -8,13 +8,17 @@
    at zero). Slot 0 is the last verified token (DFlash's layout: the anchor, then masks), so the
    first draft position reads it; slot 0 reads nothing before it. The target's context rows are
    not convolved: they enter each layer as keys and values, as in DFlash.
-2. **Candidate selector.** Each draft position k keeps the top-16 tokens C_k of its backbone
-   logits U_k, and a pair (a at k−1, b at k) scores S_k(a, b) = U_k(b) + ⟨u_a ⊙ v_k, w_b⟩ (u, w
+2. **Candidate selector.** Each draft position k keeps the top-M tokens C_k of its backbone
+   logits U_k (M = ``drafter.selector_candidates``, 16 as in the survey), and a pair (a at k−1, b at k) scores S_k(a, b) = U_k(b) + ⟨u_a ⊙ v_k, w_b⟩ (u, w
    low-rank token embeddings of ``drafter.markov_rank``, v_k from the backbone state). All pairs
    of a block are scored in one shot (``pair_scores``: no extra backbone or LM-head pass); greedy
    drafting follows the best successor from the last verified token, sampled drafting draws from
    the same scores restricted to C_k, and that restricted distribution is the q handed to
-   verification (zero outside C_k), so verification stays exact.
+   verification (zero outside C_k), so verification stays exact. ``selector_candidates: 0``
+   drops the restriction: slot k draws from S_k(x_{k−1}, ·) over the whole readout, with x_{k−1}
+   the previous slot's draw (a rank-r product per slot, no pair table), which is exactly the
+   readout training teacher-forces. Measured on SmolLM2, the target's greedy token is among the
+   top 16 of U_k at only a third of held-out positions (docs/results.md).
 
 Training is teacher-forced over the full readout: S_k(x_{k−1}, ·) with the data's previous token
 (the selector's bias is then a DSpark-style transition gated by v_k); the restriction to C_k is
@@ -36,7 +40,6 @@ from components.drafters.layers import KV, DecoderLayer, LayerSizes, init_weight
 from components.drafters.registry import register_drafter
 from components.spec.sampling import SamplingParams
 
-CANDIDATES = 16  # C_k: the backbone's top tokens per draft position the selector chooses among
 CONV_RANK = 16  # rank of the dynamic convolution's state-dependent correction
 
 
@@ -117,6 +120,9 @@ class DFlash2Drafter(DFlashDrafter):
         rank = int(self.cfg.markov_rank)
         if rank <= 0:
             raise DrafterError(f"drafter.markov_rank must be > 0 for dflash2 (its selector's rank), got {rank}")
+        if int(self.cfg.selector_candidates) < 0:
+            raise DrafterError(f"drafter.selector_candidates must be >= 0 (0: the whole readout), got "
+                               f"{self.cfg.selector_candidates}")
         bs = int(self.cfg.block_size)
         self.backbone.layers = nn.ModuleList(DFlash2Layer(self.sizes, bs) for _ in self.backbone.layers)
         self.selector = Selector(spec.target.vocab_size, self.sizes.hidden_size, rank, self.readout_size)
@@ -137,11 +143,14 @@ class DFlash2Drafter(DFlashDrafter):
 
     def sample_readout(self, z: Tensor, last_token: Tensor, sampling: SamplingParams,
                        generator: torch.Generator | None) -> Proposal:
-        """Walks the block's pair scores from the last verified token: slot k draws among C_k from
-        S_k(x_{k−1}, ·); the proposal's logits are those scores, -inf outside C_k."""
+        """Walks the block from the last verified token: slot k draws from S_k(x_{k−1}, ·) among
+        C_k (pair scores), or over the whole readout with ``selector_candidates: 0``; the
+        proposal's logits are the scores it drew from, -inf outside C_k."""
         base = self.lm_head(z)  # [B, γ, R]
+        if int(self.cfg.selector_candidates) == 0:
+            return self._walk_readout(base, z, last_token, sampling, generator)
         b, gamma, r = base.shape
-        m = min(CANDIDATES, r)
+        m = min(int(self.cfg.selector_candidates), r)
         cand = base.topk(m, dim=-1).indices  # [B, γ, M] readout ids
         first, pairs = pair_scores(self.selector, base, z, cand, self.to_target(cand), last_token)
         rows = torch.arange(b, device=z.device)
@@ -156,6 +165,19 @@ class DFlash2Drafter(DFlashDrafter):
             if k + 1 < gamma:
                 idx = (cand[:, k] == tok[:, None]).float().argmax(-1)  # the drawn token's place in C_k
                 scores = pairs[rows, k, idx]  # [B, M]: S_{k+1}(x_k, ·)
+        return self.proposal(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1))
+
+    def _walk_readout(self, base: Tensor, z: Tensor, last_token: Tensor, sampling: SamplingParams,
+                      generator: torch.Generator | None) -> Proposal:
+        """base [B, γ, R], z [B, γ, H]: slot k draws from U_k + selector bias of the previous draw."""
+        prev, tokens, logits, probs = last_token, [], [], []  # prev [B] target ids
+        for k in range(base.shape[1]):
+            scores = base[:, k] + self.selector.bias(z[:, k:k + 1], prev[:, None])[:, 0]  # [B, R]
+            tok, p = sample_tokens(scores, sampling, generator)  # readout ids [B], probs [B, R]
+            prev = self.to_target(tok)
+            tokens.append(prev)
+            logits.append(scores)
+            probs.append(p)
         return self.proposal(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1))
 
     def capabilities(self) -> frozenset[Capability]:

@@ -5,9 +5,11 @@ drawn from (zero outside the candidates)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from components.drafters.dflash2 import CANDIDATES, DynamicConv, pair_scores
+from components.drafters import DrafterError
+from components.drafters.dflash2 import DynamicConv, pair_scores
 from components.spec.sampling import GREEDY, SamplingParams, probs_from_logits
 from tests.components.drafters.conftest import make_drafter, run_target
 
@@ -31,8 +33,11 @@ def test_convolution_is_two_taps_inside_each_block():
     assert (conv(moved) - out)[0, 4:].eq(0).all()
 
 
-def _drafter(target):
-    return make_drafter(target, "dflash2", num_layers=1, markov_rank=8)
+CANDIDATES = 16  # the default drafter.selector_candidates (the survey's)
+
+
+def _drafter(target, **overrides):
+    return make_drafter(target, "dflash2", num_layers=1, markov_rank=8, **overrides)
 
 
 def test_one_shot_pairs_equal_teacher_forced_readout(tiny_target):
@@ -80,3 +85,32 @@ def test_drafts_walk_the_candidates_and_q_is_what_they_were_drawn_from(tiny_targ
     n = sum(counts.values())
     stat = sum((counts.get(t, 0) - n * float(q0[t])) ** 2 / (n * float(q0[t])) for t in support)
     assert float(torch.special.gammaincc(torch.tensor(1.5), torch.tensor(stat / 2))) > 1e-3
+
+
+def test_whole_readout_walk_is_the_teacher_forced_readout(tiny_target, ids):
+    """``selector_candidates: 0``: every slot scores the whole readout, S_k(x_{k−1}, ·) with the
+    slot before's draw, exactly the training readout; greedy drafts are its argmax, sampled q
+    is what each draft was drawn from; the candidate walk at the same weights drafts within it."""
+    full, top = _drafter(tiny_target, selector_candidates=0), _drafter(tiny_target)
+    assert full.cfg.selector_candidates == 0 and top.cfg.selector_candidates == CANDIDATES
+    run = run_target(tiny_target, full, ids)
+    state = full.consume(full.init_state(1), ids[:1, :9], run.hidden[:1, :9])
+    sampling = SamplingParams(temperature=1.0)
+    with torch.no_grad():
+        for how, gen in ((GREEDY, None), (sampling, torch.Generator().manual_seed(0))):
+            prop = full.propose(state, ids[:1, 9], how, gen)
+            assert prop.logits.isfinite().all()
+            prev = torch.cat([ids[:1, 9], prop.tokens[0, :-1]])[None]
+            tf, _, _ = full.train_readout_base(prop.states, prev)
+            torch.testing.assert_close(prop.logits, tf, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(prop.probs, probs_from_logits(prop.logits, how))
+        greedy = full.propose(state, ids[:1, 9], GREEDY)
+        assert torch.equal(greedy.tokens, greedy.logits.argmax(-1))
+        walked = top.propose(state, ids[:1, 9], GREEDY)  # the same weights, restricted to C_k
+        inside = greedy.tokens == walked.tokens
+        assert bool(inside[0, 0]) == bool(walked.logits[0, 0].isfinite()[greedy.tokens[0, 0]])
+
+
+def test_negative_candidates_refused(tiny_target):
+    with pytest.raises(DrafterError, match="selector_candidates"):
+        _drafter(tiny_target, selector_candidates=-1)
