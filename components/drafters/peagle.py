@@ -21,8 +21,10 @@ would be (γT)². Rows are at every position, as EAGLE-3 trains. The mask rows' 
 the committed context (``consume`` keeps depth-0 keys only), so rollback is a crop.
 
 vLLM 0.32 has this layout (``speculators_model_type: peagle``: EAGLE-3's weights plus
-``mask_hidden`` [n·H] through ``fc``, the mask token by id through the draft's embedding); the
-export is not written yet. Knows nothing about losses, verification or engines.
+``mask_hidden`` [n·H] through ``fc``, the mask token by id through the draft's embedding) and
+runs it as eagle3 with ``parallel_drafting``; ``components/export/vllm.py`` (``peagle_export``)
+writes it, ``mask_embed`` as the ``drafter.mask_token_id`` row of the draft's own embedding
+table. Knows nothing about losses, verification or engines.
 """
 
 from __future__ import annotations
