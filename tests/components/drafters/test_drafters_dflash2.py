@@ -33,11 +33,13 @@ def test_convolution_is_two_taps_inside_each_block():
     assert (conv(moved) - out)[0, 4:].eq(0).all()
 
 
-CANDIDATES = 16  # the default drafter.selector_candidates (the survey's)
+CANDIDATES = 16  # the survey's selector: the top 16 of U_k per position
 
 
 def _drafter(target, **overrides):
-    return make_drafter(target, "dflash2", num_layers=1, markov_rank=8, **overrides)
+    """The survey's candidate selector unless ``overrides`` say otherwise."""
+    return make_drafter(target, "dflash2", num_layers=1, markov_rank=8, **{"selector_candidates": CANDIDATES,
+                                                                             **overrides})
 
 
 def test_one_shot_pairs_equal_teacher_forced_readout(tiny_target):

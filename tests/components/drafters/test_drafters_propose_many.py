@@ -12,7 +12,7 @@ from components.engine.batch import BatchEngine, Request
 from components.spec.sampling import SamplingParams
 from tests.components.drafters.conftest import make_drafter
 
-KINDS = [("eagle3", {}), ("peagle", {"ttt_steps": 4}), ("dflash2", {"markov_rank": 8}), ("dflash2", {"markov_rank": 8, "selector_candidates": 0}),
+KINDS = [("eagle3", {}), ("peagle", {"ttt_steps": 4}), ("dflash2", {"markov_rank": 8}), ("dflash2", {"markov_rank": 8, "selector_candidates": 16}),
          ("d_loop", {}), ("dedit", {}), ("medusa", {}), ("mtp", {"mtp_depth": 2})]  # MTP: steps past depth 2 reuse module 1
 TEXTS = ["def main(args):\n    ", "x = 1", "class Foo:\n    def __init__(self", "import os\nimport sys\n"]
 
