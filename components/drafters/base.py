@@ -57,6 +57,7 @@ from components.drafters.exchange import (  # noqa: F401  (re-exported: the data
     TargetKV,
 )
 from components.drafters.vocab import DraftVocab
+from components.spec.argmax import argmax_last
 from components.spec.sampling import GREEDY, SamplingParams, probs_from_logits
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def sample_tokens(
     All-greedy settings (a scalar temperature 0) skip processing and the draw: the argmax and
     its one-hot, exactly what processing + multinomial would give, without touching ``generator``."""
     if is_greedy(sampling):
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_last(logits)
         probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return tokens, probs.scatter_(-1, tokens.unsqueeze(-1), 1.0)
     probs = probs_from_logits(logits, sampling)

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from components.drafters.base import Proposal
+from components.spec.argmax import argmax_last
 from components.spec.gumbel import gumbel_argmax, gumbel_noise
 from components.spec.sampling import (
     GREEDY,
@@ -118,7 +119,7 @@ class GreedyRule(Rule):
         return GREEDY
 
     def sample_target(self, logits: Tensor, positions: Tensor, rnd: RoundRandomness) -> Tensor:
-        return logits.argmax(dim=-1)
+        return argmax_last(logits)
 
     def verify(self, drafts: Tensor, logits: Tensor, proposal: Proposal, positions: Tensor,
                rnd: RoundRandomness) -> VerifyResult:

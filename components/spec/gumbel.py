@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from components.spec.argmax import argmax_last
+
 __all__ = ["gumbel_argmax", "gumbel_noise"]
 
 _MASK32 = 0xFFFFFFFF
@@ -93,4 +95,4 @@ def gumbel_argmax(
     noise: Tensor,      # [..., V] Gumbel noise for the same positions
 ) -> Tensor:
     """Gumbel-max sample [...] long: argmax(log p + g); what both sides compute under coupling."""
-    return (log_probs + noise).argmax(dim=-1)
+    return argmax_last(log_probs + noise)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from components.spec.argmax import argmax_last
 from components.spec.trees import ancestor_mask
 from components.spec.verify import draw_coins, draw_race, sample_from_weights
 
@@ -132,7 +133,7 @@ def verify_tree_greedy(
     num_nodes: Tensor | None = None,  # [B] long
 ) -> TreeVerifyResult:
     """Greedy tree verification: the longest root-to-node path the target's argmax agrees with."""
-    return walk_tree(tokens, parents, target.argmax(dim=-1), num_nodes)
+    return walk_tree(tokens, parents, argmax_last(target), num_nodes)
 
 
 def tree_noise_positions(next_position: Tensor, depths: Tensor) -> Tensor:
@@ -149,7 +150,7 @@ def verify_tree_gumbel(
     num_nodes: Tensor | None = None,  # [B] long
 ) -> TreeVerifyResult:
     """Gumbel-coupled tree verification: output = the target's Gumbel-max samples."""
-    return walk_tree(tokens, parents, (target_log_probs + noise).argmax(dim=-1), num_nodes)
+    return walk_tree(tokens, parents, argmax_last(target_log_probs + noise), num_nodes)
 
 
 def _gather_slot_token(probs: Tensor, slot: Tensor, tokens: Tensor) -> Tensor:

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from components.spec.argmax import argmax_last
+
 __all__ = [
     "VerifyResult",
     "block_survival",
@@ -116,6 +118,9 @@ def match_prefix(
 ) -> VerifyResult:
     """Exact-matching verification: keep drafts while they equal the target's choice."""
     gamma = draft_tokens.shape[1]
+    if gamma == 0:  # plain rows only (a round without drafts): the target's choice at slot 0
+        none = target_tokens.new_zeros(target_tokens.shape[0])
+        return VerifyResult(num_accepted=none, next_token=target_tokens[:, 0], accepted=draft_tokens.bool())
     match = (draft_tokens == target_tokens[:, :gamma]) & _valid_slots(draft_lens, gamma)
     n = _leading_true(match)
     keep = torch.arange(gamma, device=n.device)[None, :] < n[:, None]
@@ -129,7 +134,7 @@ def verify_greedy(
     target: Tensor,        # [B, γ+1, V] target logits, log-probs or probs
 ) -> VerifyResult:
     """Greedy verification: the output equals the target's own greedy decoding."""
-    return match_prefix(draft_tokens, draft_lens, target.argmax(dim=-1))
+    return match_prefix(draft_tokens, draft_lens, argmax_last(target))
 
 
 def verify_gumbel(
@@ -142,7 +147,7 @@ def verify_gumbel(
 
     Lossless and drafter-invariant: the result depends only on the target and the noise.
     """
-    return match_prefix(draft_tokens, draft_lens, (target_log_probs + noise).argmax(dim=-1))
+    return match_prefix(draft_tokens, draft_lens, argmax_last(target_log_probs + noise))
 
 
 def _gather_token_probs(probs: Tensor, tokens: Tensor) -> Tensor:

@@ -271,9 +271,13 @@ class BatchEngine:
         empty = torch.zeros(0, dtype=torch.long, device=dev)
         for rule, idx in groups.items():
             mine = logits if len(idx) == len(rows) else logits[torch.tensor(idx, device=dev)]
-            drafts = torch.nn.utils.rnn.pad_sequence(  # [R, G'] (padding never read past a row's length)
-                [rows[b].drafts[0] if rows[b].drafts is not None else empty for b in idx], batch_first=True)
-            lens = torch.tensor([rows[b].num_drafts for b in idx], dtype=torch.long, device=dev)
+            if all(rows[b].drafts is None for b in idx):  # plain rows only: no drafts to pad
+                drafts = empty.view(len(idx), 0)
+                lens = torch.zeros(len(idx), dtype=torch.long, device=dev)
+            else:
+                drafts = torch.nn.utils.rnn.pad_sequence(  # [R, G'] (padding never read past a row's length)
+                    [rows[b].drafts[0] if rows[b].drafts is not None else empty for b in idx], batch_first=True)
+                lens = torch.tensor([rows[b].num_drafts for b in idx], dtype=torch.long, device=dev)
             res = rule.verify_rows(drafts, lens, mine[:, :drafts.shape[1] + 1])
             for j, (b, a) in enumerate(zip(idx, res.num_accepted.tolist())):
                 verdicts[b] = (a, res.next_token[j:j + 1])

@@ -173,3 +173,15 @@ def test_zero_target_probability_is_never_accepted():
         assert not bool(res.accepted[p_x == 0].any())
         recovered = p[:, 0].gather(-1, res.next_token[:, None]).squeeze(-1)
         assert bool((recovered[res.num_accepted == 0] > 0).all())
+
+
+def test_rows_without_drafts_take_the_targets_choice():
+    """γ = 0 (a round of plain rows): nothing accepted, the next token the target's own at slot 0,
+    as with drafts padded to width 0 through the general path."""
+    logits = torch.randn(3, 1, 50, generator=torch.Generator().manual_seed(0))
+    res = verify_greedy(torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, dtype=torch.long), logits)
+    assert res.num_accepted.tolist() == [0, 0, 0] and res.accepted.shape == (3, 0)
+    assert torch.equal(res.next_token, logits[:, 0].argmax(-1))
+    one = verify_greedy(torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, dtype=torch.long),
+                        torch.cat([logits, logits, logits], dim=1))  # drafts padded, none real
+    assert torch.equal(one.next_token, res.next_token) and one.num_accepted.tolist() == [0, 0, 0]
