@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,13 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = TargetConfig(name_or_path=SMOLLM2_TARGET, dtype="float32", device="cpu", cache_dir=args.cache_dir, step="fast")
     hf = load_target(cfg)
-    steps = {"fast": step_target(hf, dataclasses.replace(cfg, step_weights="float32")), "blocks": step_target(hf, cfg)}
-    assert all(isinstance(t, StepTarget) for t in steps.values()) and steps["blocks"].weight_formats != ("f32",)
-    best = steps["blocks"].decoder.kernels
-    others = [isa for isa in isas() if isa != best.isa]  # the same blocks through the kernels of other ISAs
-    for isa in others:
-        kernel = RowsGemm.build(Path(cfg.cache_dir) / "kernels", isa)
-        steps[f"blocks {isa}"] = StepTarget(hf, (), cfg.static_len, kernel_gemm(hf, cfg, kernel), kernel)
+    steps, best, others = _steps(hf, cfg)
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.model.parameters())
     read_bytes = {name: _bytes_read(t) for name, t in steps.items()}  # what one decode pass streams
     params = sum(p.numel() for p in hf.model.parameters())
@@ -121,6 +116,19 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['fast'] / first['fast']:.2f} | {r['blocks'] / first['blocks']:.2f} | {r['fast'] / r['blocks']:.2f}x | "
                   f"{r['hf'] / r['blocks']:.2f}x |" + "".join(f" {r[f'blocks {isa}'] / r['blocks']:.2f}x |" for isa in others),
                   flush=True)
+
+
+def _steps(hf: Any, cfg: TargetConfig) -> tuple[dict[str, StepTarget], RowsGemm, list[str]]:
+    """(the fast steps timed, by name: float32 panels, the checkpoint's blocks, and the blocks through
+    the kernels of the CPU's other ISAs; the blocks' kernel; those other ISAs)."""
+    steps = {"fast": step_target(hf, dataclasses.replace(cfg, step_weights="float32")), "blocks": step_target(hf, cfg)}
+    assert all(isinstance(t, StepTarget) for t in steps.values()) and steps["blocks"].weight_formats != ("f32",)
+    best = steps["blocks"].decoder.kernels
+    others = [isa for isa in isas() if isa != best.isa]
+    for isa in others:
+        kernel = RowsGemm.build(Path(cfg.cache_dir) / "kernels", isa)
+        steps[f"blocks {isa}"] = StepTarget(hf, (), cfg.static_len, kernel_gemm(hf, cfg, kernel), kernel)
+    return steps, best, others
 
 
 def _bytes_read(target: StepTarget) -> int:

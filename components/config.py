@@ -161,9 +161,9 @@ class DrafterConfig:
     # DFlash/DSpark: ReTrace's gated residual, which fuses the last round's rejected drafts (their own
     # states, aligned with the next block) into the next block's input embeddings (the retrace objective sets it)
     retrace: bool = False
-    # DFlash2: 0 drafts over the whole readout, S_k(x_{k-1}, ·) scored slot by slot as trained (engine
-    # τ 1.39 against 1.21 at 16 on SmolLM2, docs/results.md); M > 0: the survey's selector over the
-    # backbone's top-M tokens per position, every pair scored in one shot
+    # DFlash2: 0 drafts over the whole readout, S_k(x_{k-1}, ·) scored slot by slot as trained (the
+    # better engine τ on SmolLM2, docs/results.md); M > 0: the survey's selector over the backbone's
+    # top-M tokens per position, every pair scored in one shot
     selector_candidates: int = 0
     # A head start (DFlash/DSpark): draft layer i starts as a copy of the target's decoder layer
     # L − n + i (its last n layers), the fusion as the deepest tap passed through; training

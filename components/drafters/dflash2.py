@@ -9,7 +9,8 @@
    first draft position reads it; slot 0 reads nothing before it. The target's context rows are
    not convolved: they enter each layer as keys and values, as in DFlash.
 2. **Candidate selector.** With ``drafter.selector_candidates`` M > 0 (the survey's design: 16),
-   each draft position k keeps the top-M tokens C_k of its backbone logits U_k, and a pair (a at k−1, b at k) scores S_k(a, b) = U_k(b) + ⟨u_a ⊙ v_k, w_b⟩ (u, w
+   each draft position k keeps the top-M tokens C_k of its backbone logits U_k, and a pair (a at
+   k−1, b at k) scores S_k(a, b) = U_k(b) + ⟨u_a ⊙ v_k, w_b⟩ (u, w
    low-rank token embeddings of ``drafter.markov_rank``, v_k from the backbone state). All pairs
    of a block are scored in one shot (``pair_scores``: no extra backbone or LM-head pass); greedy
    drafting follows the best successor from the last verified token, sampled drafting draws from
@@ -17,10 +18,9 @@
    verification (zero outside C_k), so verification stays exact. The default, M = 0, drops the
    restriction: slot k draws from S_k(x_{k−1}, ·) over the whole readout, with x_{k−1} the
    previous slot's draw (a rank-r product per slot, no pair table), which is exactly the readout
-   training teacher-forces. Measured on SmolLM2: no loss trains U_k on its own, and the target's
-   greedy token is among its top 16 at only a third of held-out positions; the same trained
-   drafter reaches engine τ 1.39 over the whole readout against 1.21 among the top 16 and 1.31
-   among the top 64 (docs/results.md). Checkpoints written before the option draft among 16.
+   training teacher-forces. No loss trains U_k on its own, so its top tokens often miss the
+   target's; docs/results.md compares the two on one checkpoint. Checkpoints written before the
+   option draft among 16.
 
 Training is teacher-forced over the full readout: S_k(x_{k−1}, ·) with the data's previous token
 (the selector's bias is then a DSpark-style transition gated by v_k); the restriction to C_k is

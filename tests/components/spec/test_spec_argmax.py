@@ -42,6 +42,7 @@ def test_views_and_other_tensors():
     _same(x.flip(-1))
     _same(x.to(torch.bfloat16))
     _same(x.double())
+    _same(torch.tensor(3.0))  # a scalar
     with torch.inference_mode():
         _same(torch.randn(2, 9))
     grad = x.clone().requires_grad_(True)
