@@ -87,7 +87,6 @@ from components.engine.suffix import (
     Candidate,
     SuffixDrafter,
     SuffixState,
-    conditionals,
     suffix_proposal,
 )
 from components.spec.sampling import SamplingParams
@@ -110,7 +109,7 @@ class HybridState:
     trained: Any  # the trained drafter's state: committed positions (+ carry rows, one round)
     suffix: SuffixState  # the committed ids
     suffix_draft: list[int] | None = None  # this round's suffix tokens from this state's proposal on
-    suffix_conf: list[float] | None = None  # their confidences (``suffix.conditionals``)
+    suffix_conf: list[float] | None = None  # their confidences (``SuffixDrafter.confidences``)
     stage: bool = False  # a later DLoop stage's state (never committed)
     model_conf: Tensor | None = None  # [1, γ'] the trained drafter's latest confidences, for ``preview``
 
@@ -234,7 +233,7 @@ class HybridDrafter:
             best = self.suffix.candidate(state.suffix, last_token, self.suffix.num_speculative_tokens)
             chosen = self._clears(best)
             state.suffix_draft = best.tokens if chosen else None
-            state.suffix_conf = conditionals(best.probs) if chosen else None
+            state.suffix_conf = self.suffix.confidences(best) if chosen else None
             self.drafted_by[SUFFIX if chosen else MODEL] += 1
         if state.suffix_draft is None:
             return None
@@ -259,7 +258,7 @@ class HybridDrafter:
         best = self.suffix.candidate(state.suffix, recent[0, -1:], self.suffix.num_speculative_tokens,
                                      recent[0, :-1].tolist())
         if self._clears(best):
-            return torch.tensor([conditionals(best.probs)], dtype=torch.float32)
+            return torch.tensor([self.suffix.confidences(best)], dtype=torch.float32)
         return state.model_conf
 
     def _clears(self, best: Candidate) -> bool:

@@ -40,9 +40,12 @@ responses. At most one sequence of a tree grows at a time here (a request's; a r
 added whole), though the tree stays exact if several do.
 
 Proposals are one-hot q (``model_free.one_hot_proposal``), as prompt lookup's, with each draft's
-estimated probability given the drafts before it as its confidence (count / total where the
-tree branches, 1 along a continuation seen once), which the adaptive draft cap reads as it reads
-a confidence head's. Asks
+estimated probability of acceptance given the drafts before it as its confidence, which the
+adaptive draft cap reads as it reads a confidence head's: the tree's count ratio (count / total
+where the tree branches, 1 along a continuation seen once) read through ``calibration``
+(``match_calibration.MatchCalibration``), which learns from the ids each request commits how
+often a token read after a match of that length, at that ratio, from that tree, was right.
+Drafts themselves (which tokens, how many) never depend on it. Asks
 for no target taps (``layer_ids = ()``) and declares ``LEARNS_RESPONSES`` and ``PREVIEWS`` (the
 draft's confidences before drafting, so that the adaptive cap is priced on this round's own
 match, draft-then-decide; no batched passes, DLoop, carryover or tree head). Knows nothing
@@ -64,6 +67,7 @@ from torch import Tensor
 
 from components.drafters.base import Proposal
 from components.drafters.capabilities import Capability
+from components.engine.match_calibration import MatchCalibration, cell_of
 from components.engine.model_free import one_hot_proposal
 from components.spec.sampling import SamplingParams
 
@@ -218,35 +222,37 @@ class SuffixTree:
         return best
 
     def draft(self, place: _Place, max_tokens: int, min_prob: float,
-              prob: float = 1.0) -> tuple[list[int], list[float], bool]:
-        """(tokens, their estimated probabilities, whether the continuation ran out): from
-        ``place``, the most frequent next token (ties: the smaller id) while the running product
-        (from ``prob``) of count / total stays ≥ ``min_prob``, at most ``max_tokens``. It runs out
-        where nothing followed (a sequence's end) or at ``max_depth``."""
+              prob: float = 1.0) -> tuple[list[int], list[float], bool, list[int]]:
+        """(tokens, their estimated probabilities, whether the continuation ran out, the match
+        length each token was read after): from ``place``, the most frequent next token (ties:
+        the smaller id) while the running product (from ``prob``) of count / total stays ≥
+        ``min_prob``, at most ``max_tokens``. It runs out where nothing followed (a sequence's
+        end) or at ``max_depth``."""
         tokens: list[int] = []
         probs: list[float] = []
         node, depth, extra = place.node, place.depth, place.extra
         while len(tokens) < max_tokens:
             if depth >= self.max_depth:
-                return tokens, probs, True
+                return tokens, probs, True, list(range(place.depth, depth))
             if node.children is None:  # one occurrence: its continuation, probability unchanged
                 seq, at = self.seqs[node.seq], node.pos + extra
                 run = seq[at:at + min(max_tokens - len(tokens), self.max_depth - depth)]
-                return tokens + run, probs + [prob] * len(run), len(tokens) + len(run) < max_tokens
+                out = tokens + run
+                return out, probs + [prob] * len(run), len(out) < max_tokens, list(range(place.depth, place.depth + len(out)))
             best, best_count, total = -1, 0, 0
             for token, child in node.children.items():
                 total += child.count
                 if child.count > best_count or (child.count == best_count and token < best):
                     best, best_count = token, child.count
             if total == 0:
-                return tokens, probs, True
+                return tokens, probs, True, list(range(place.depth, depth))
             prob *= best_count / total
             if prob < min_prob:
                 break
             tokens.append(best)
             probs.append(prob)
             node, depth, extra = node.children[best], depth + 1, 0
-        return tokens, probs, False
+        return tokens, probs, False, list(range(place.depth, depth))
 
 
 @dataclass
@@ -256,6 +262,8 @@ class Candidate:
     tokens: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
     match_len: int = 0
+    depths: list[int] = field(default_factory=list)  # the match length each token was read after
+    shared: bool = False  # read from the global tree (else the request's own)
 
     @property
     def score(self) -> float:
@@ -276,13 +284,15 @@ def speculate(tree: SuffixTree, context: Sequence[int], max_match: int, gamma: i
     first, limit = place.depth, min(gamma, int(max_spec_factor * place.depth + 1e-6))
     tokens: list[int] = []
     probs: list[float] = []
+    depths: list[int] = []
     while place is not None and len(tokens) < limit:
-        more, more_probs, ran_out = tree.draft(place, limit - len(tokens), min_prob, probs[-1] if probs else 1.0)
-        tokens, probs = tokens + more, probs + more_probs
+        more, more_probs, ran_out, more_depths = tree.draft(place, limit - len(tokens), min_prob,
+                                                           probs[-1] if probs else 1.0)
+        tokens, probs, depths = tokens + more, probs + more_probs, depths + more_depths
         if not ran_out:
             break
         place = tree.longest_match(list(context) + tokens, max_match)
-    return Candidate(tokens, probs, first)
+    return Candidate(tokens, probs, first, depths)
 
 
 class ResponseCache:
@@ -358,6 +368,7 @@ class SuffixDrafter:
         self.max_depth, self.max_match = max_depth, max_depth - num_speculative_tokens
         self.max_spec_factor, self.min_token_prob, self.min_score = max_spec_factor, min_token_prob, min_score
         self.responses = ResponseCache(max_depth, max_cached_responses, max_cached_tokens)
+        self.calibration = MatchCalibration()  # the confidences' estimates, learned from committed ids
         self.device = torch.device(device)
 
     def capabilities(self) -> frozenset[Capability]:
@@ -393,7 +404,9 @@ class SuffixDrafter:
             rebuilt = SuffixTree(self.max_depth)
             rebuilt.extend(REQUEST, state.tokens)
             state.tree, beyond = rebuilt, []
-        state.tree.extend(REQUEST, ahead[len(beyond):])
+        if len(ahead) > len(beyond):
+            state.tree.extend(REQUEST, ahead[len(beyond):])
+            self.calibration.settle(state.tree, state.tree.seqs[REQUEST])
         return state.tree
 
     # ------------------------------------------------------------------ drafting
@@ -403,7 +416,7 @@ class SuffixDrafter:
         match or below ``min_score``."""
         best = self.candidate(state, last_token, num_speculative_tokens or self.num_speculative_tokens)
         tokens = self._kept(best)
-        return suffix_proposal(tokens, conditionals(best.probs[:len(tokens)]), self.vocab_size, self.device)
+        return suffix_proposal(tokens, self.confidences(best, len(tokens)), self.vocab_size, self.device)
 
     def preview(self, state: SuffixState, recent: Tensor) -> Tensor:  # recent [1, k+1] -> [1, g]
         """The confidences of the draft ``propose`` would make once the ids of ``recent`` (not
@@ -411,8 +424,8 @@ class SuffixDrafter:
         Exact: the request's tree is run ahead over the unconsumed ids (``consume`` then finds
         them there)."""
         best = self.candidate(state, recent[0, -1:], self.num_speculative_tokens, recent[0, :-1].tolist())
-        kept = best.probs[:len(self._kept(best))]
-        return torch.tensor([conditionals(kept)], dtype=torch.float32).reshape(1, len(kept))
+        kept = self.confidences(best, len(self._kept(best)))
+        return torch.tensor([kept], dtype=torch.float32).reshape(1, len(kept))
 
     def _kept(self, best: Candidate) -> list[int]:
         """The candidate's tokens if it is proposed (a match scoring ≥ ``min_score``), else none."""
@@ -425,7 +438,21 @@ class SuffixDrafter:
         tree = self._tree(state, ahead)
         end = state.length + len(ahead)
         context = tree.seqs.get(REQUEST, [])[max(0, end - self.max_match + 1):end] + [int(last_token[0])]
-        return self.speculate(tree, context, gamma)
+        best = self.speculate(tree, context, gamma)
+        self.calibration.note(tree, end + 1, best.tokens, self._cells(best))  # its ids: the last token at end
+        return best
+
+    def confidences(self, best: Candidate, count: int | None = None) -> list[float]:
+        """The first ``count`` (default all) tokens' estimated acceptance given the ones before
+        them: their count conditionals as ``calibration`` has learned to read them."""
+        ratios = conditionals(best.probs[:count])
+        return self.calibration.estimate(ratios, self._cells(best)[:len(ratios)])
+
+    @staticmethod
+    def _cells(best: Candidate) -> list:
+        """The calibration cells of ``best``'s tokens (without ``depths``: read along one match)."""
+        depths = best.depths or [best.match_len + k for k in range(len(best.tokens))]
+        return [cell_of(d, r, best.shared) for d, r in zip(depths, conditionals(best.probs))]
 
     def speculate(self, request: SuffixTree, context: list[int], gamma: int) -> Candidate:
         """The request tree's candidate, or the global tree's when it scores higher."""
@@ -434,6 +461,7 @@ class SuffixDrafter:
         if not self.responses.kept:
             return own
         shared = speculate(self.responses.tree, context, *args)
+        shared.shared = True
         return shared if shared.score > own.score else own
 
     # ------------------------------------------------------------------ the global tree
