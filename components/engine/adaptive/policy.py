@@ -73,7 +73,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch import Tensor
 
 from components.engine.adaptive.times import RoundTimes
@@ -148,7 +150,7 @@ class AdaptiveDraftLength:
     bucket_rounds: dict[int, int] = field(default_factory=dict)  # rounds played per bucket
     predicted_hits: list[float] = field(default_factory=list)  # per position: Σ predicted survival
     observed_hits: list[float] = field(default_factory=list)  # per position: rows that got that far
-    _last: tuple[tuple[int, int], Tensor] | None = None  # (B, G) chosen, survival it read
+    _last: tuple[tuple[int, int], NDArray] | None = None  # (B, G) chosen, survival it read
     _probe: tuple[int, bool] | None = None  # (bucket, side) tried against the model's choice last round
 
     def __post_init__(self) -> None:
@@ -168,71 +170,77 @@ class AdaptiveDraftLength:
             alphas.append(prev)
         return torch.tensor(alphas, dtype=torch.float64).cumprod(dim=0)
 
-    def calibrated(self, survival: Tensor) -> Tensor:
+    def calibrated(self, survival: Tensor | NDArray) -> NDArray:
         """survival [B, G] → the same with each position's conditional acceptance
         a_k / a_{k-1} scaled by observed / predicted hits (``_count_hits``), at most 1."""
-        a = survival.double().clamp(0, 1).cummin(dim=-1).values
+        return self._calibrated(_survival(survival))
+
+    def _calibrated(self, a: NDArray) -> NDArray:  # ``calibrated`` of a clamped, non-increasing survival
         if not (self.calibrate and self.predicted_hits):
             return a
         k = min(a.shape[1], len(self.predicted_hits))
-        ratio = torch.tensor([(self.observed_hits[j] + 0.5) / (self.predicted_hits[j] + 0.5) for j in range(k)],
-                             dtype=torch.float64)
+        ratio = np.array([(self.observed_hits[j] + 0.5) / (self.predicted_hits[j] + 0.5) for j in range(k)])
         cond = _conditional(a)
-        cond[:, :k] = (cond[:, :k] * ratio).clamp(0, 1)
-        return cond.cumprod(dim=-1)
+        cond[:, :k] = np.clip(cond[:, :k] * ratio, 0, 1)
+        return np.cumprod(cond, axis=-1)
 
-    def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int:
+    def cap(self, survival: Tensor | NDArray, max_cap: int, remaining: list[int] | None = None) -> int:
         """survival [B, ≥max_cap] → the cap G in 0..max_cap with the best tokens/second;
         with ``remaining`` (tokens left per row, given when no request waits to join), the
-        shortest expected time to finish every row instead (module docstring: draining)."""
-        raw = survival[:, :max_cap].double().clamp(0, 1).cummin(dim=-1).values
-        a = self.calibrated(raw)
+        shortest expected time to finish every row instead (module docstring: draining).
+        Computed in numpy: a round's cap is a few hundred float64s, on which torch's per-op
+        cost outweighs the arithmetic (it is paid every round, between two target passes)."""
+        raw = _survival(survival[:, :max_cap])
+        a = self._calibrated(raw)
         bsz = a.shape[0]
         if remaining is None:
-            gained = torch.cat([torch.zeros(1, dtype=torch.float64), a.sum(dim=0).cumsum(dim=0)])  # [G+1]
+            gained = np.concatenate([[0.0], np.cumsum(a.sum(axis=0))])  # [G+1]
             rates = (bsz + gained) / self._priced(bsz, max_cap)  # [G+1] tokens per second
         else:
-            rates = 1.0 / self._drain_seconds(a, remaining, max_cap)  # [G+1] batches finished per second
+            rates = 1.0 / self._drain(a, remaining, max_cap)  # [G+1] batches finished per second
         choice = self._explore(bsz, rates) if self.calibrate else int(rates.argmax())
         self.last_choice = choice
         self._last = ((bsz, choice), raw)
         return choice
 
-    def _priced(self, bsz: int, max_cap: int) -> Tensor:
+    def _priced(self, bsz: int, max_cap: int) -> NDArray:
         """[max_cap + 1] a round's seconds at batch ``bsz`` per cap, as the policy believes
         them: the model's, checked against the clock when calibrating (``_seconds``)."""
         seconds = self._round_model(bsz, max_cap)
         return self._seconds(bsz, seconds) if self.calibrate else seconds
 
-    def _drain_seconds(self, survival: Tensor, remaining: list[int], max_cap: int) -> Tensor:
+    def _drain_seconds(self, survival: Tensor | NDArray, remaining: list[int], max_cap: int) -> NDArray:
         """survival [B, G], tokens left per row → [G+1] expected seconds until every row is
         done if the cap stayed G (module docstring: draining)."""
-        left = torch.tensor(remaining, dtype=torch.float64).clamp_min(1)  # [B]
-        rounds = left[:, None] / _row_tokens(survival, left)  # [B, G+1]
-        ordered = rounds.sort(dim=0).values  # each column: rows' expected ends, soonest first
-        steps = torch.diff(ordered, dim=0, prepend=torch.zeros(1, ordered.shape[1], dtype=torch.float64))
-        bsz = survival.shape[0]
-        running = torch.stack([self._priced(b, max_cap) for b in range(bsz, 0, -1)])  # [B, G+1]
-        return (steps * running).sum(dim=0)
+        return self._drain(_survival(survival), remaining, max_cap)
 
-    def _round_model(self, bsz: int, max_cap: int) -> Tensor:
+    def _drain(self, a: NDArray, remaining: list[int], max_cap: int) -> NDArray:  # ``_drain_seconds``, prepared
+        left = np.maximum(np.asarray(remaining, dtype=np.float64), 1.0)  # [B]
+        rounds = left[:, None] / _row_tokens(a, left)  # [B, G+1]
+        ordered = np.sort(rounds, axis=0)  # each column: rows' expected ends, soonest first
+        steps = np.diff(ordered, axis=0, prepend=np.zeros((1, ordered.shape[1])))
+        bsz = a.shape[0]
+        running = np.stack([self._priced(b, max_cap) for b in range(bsz, 0, -1)])  # [B, G+1]
+        return (steps * running).sum(axis=0)
+
+    def _round_model(self, bsz: int, max_cap: int) -> NDArray:
         """[max_cap + 1] the model's round seconds at batch ``bsz`` per cap: the profiled
         round times when given, else s·T(B·(G+1)) + o + [G > 0]·t_draft."""
         if self.round_time is not None:
-            return self.round_time.row(bsz, max_cap)
+            return self.round_time.row_array(bsz, max_cap)
         caps = torch.arange(max_cap + 1, dtype=torch.float64)
-        return self._model_seconds(self.forward_time(bsz * (caps + 1)), (caps > 0).double())
+        return self._model_seconds(self.forward_time(bsz * (caps + 1)), (caps > 0).double()).numpy()
 
     def _model_seconds(self, forward: Any, drafting: Any) -> Any:
         """The model's round seconds: s·T(n) + o + [drafting]·t_draft (floats or tensors)."""
         return self.scale * forward + self.overhead + drafting * self.draft_seconds
 
-    def _seconds(self, bsz: int, model: Tensor) -> Tensor:
+    def _seconds(self, bsz: int, model: NDArray) -> NDArray:
         """model [G+1] → [G+1] a round's seconds at this batch size per cap: as measured, if it
         was played; else the model's, times its side's (plain or drafting) measured/model ratio
         in this bucket."""
         bucket = _bucket(bsz)
-        seconds = model.clone()
+        seconds = model.copy()
         seconds[0] *= self.corrections.get((bucket, False), 1.0)
         seconds[1:] *= self.corrections.get((bucket, True), 1.0)
         for g in range(seconds.shape[0]):
@@ -241,7 +249,7 @@ class AdaptiveDraftLength:
                 seconds[g] = measured
         return seconds
 
-    def _explore(self, bsz: int, rates: Tensor) -> int:
+    def _explore(self, bsz: int, rates: NDArray) -> int:
         """The best cap by ``rates`` [G+1], or the other side's best when a try of it is due;
         settles last round's try first (won: tries as often as ``min_recheck``; lost: half as
         often, down to one in ``recheck``). A plain round teaches nothing but its time (its
@@ -346,20 +354,26 @@ class AdaptiveDraftLength:
         return new if replace else (1 - self.ema) * old + self.ema * new
 
 
-def _row_tokens(survival: Tensor, left: Tensor) -> Tensor:
+def _survival(survival: Tensor | NDArray) -> NDArray:
+    """Survival estimates [B, G] as float64 numpy, clamped to [0, 1] and made non-increasing."""
+    a = survival.detach().cpu().double().numpy() if isinstance(survival, Tensor) else np.asarray(survival, np.float64)
+    return np.minimum.accumulate(np.clip(a, 0.0, 1.0), axis=-1)
+
+
+def _row_tokens(survival: NDArray, left: NDArray) -> NDArray:
     """survival [B, G], tokens left per row [B] → [B, G+1]: per cap G, each row's expected
     tokens in one round, 1 + Σ_{k ≤ min(G, left-1)} a_k (drafts past its end are cut)."""
     width = survival.shape[1]
-    ks = torch.arange(1, width + 1, dtype=torch.float64)  # [G]
+    ks = np.arange(1, width + 1, dtype=np.float64)  # [G]
     usable = survival * (ks[None, :] <= (left[:, None] - 1))
-    return torch.cat([torch.ones(survival.shape[0], 1, dtype=torch.float64), 1 + usable.cumsum(dim=1)], dim=1)
+    return np.concatenate([np.ones((survival.shape[0], 1)), 1 + np.cumsum(usable, axis=1)], axis=1)
 
 
-def _conditional(survival: Tensor) -> Tensor:
+def _conditional(survival: NDArray) -> NDArray:
     """survival [B, G] (non-increasing) → [B, G] P(draft k accepted | the ones before were):
     a_k / a_{k-1}, a_0 = 1 (0 where a_{k-1} is 0)."""
-    prev = torch.cat([torch.ones_like(survival[:, :1]), survival[:, :-1]], dim=1)
-    return torch.where(prev > 0, survival / prev.clamp_min(1e-12), torch.zeros_like(survival))
+    prev = np.concatenate([np.ones_like(survival[:, :1]), survival[:, :-1]], axis=1)
+    return np.where(prev > 0, survival / np.maximum(prev, 1e-12), 0.0)
 
 
 def _bucket(batch_size: int) -> int:

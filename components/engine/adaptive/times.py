@@ -6,10 +6,12 @@ Knows seconds on a grid and how to interpolate them; nothing about engines or mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch import Tensor
 
 
@@ -23,9 +25,11 @@ class RoundTimes:
 
     batch_sizes: list[int]  # increasing
     seconds: Tensor  # [len(batch_sizes), max_cap + 1] float64
+    _grid: NDArray = field(init=False, repr=False, compare=False)  # the same numbers in numpy, read every round
 
     def __post_init__(self) -> None:
         self.seconds = torch.as_tensor(self.seconds, dtype=torch.float64)
+        self._grid = self.seconds.numpy().copy()
         if self.seconds.dim() != 2 or self.seconds.shape[0] != len(self.batch_sizes) or not self.batch_sizes:
             raise ValueError(f"RoundTimes: seconds {tuple(self.seconds.shape)} does not match "
                              f"{len(self.batch_sizes)} batch sizes")
@@ -39,20 +43,24 @@ class RoundTimes:
     def row(self, batch_size: int, max_cap: int | None = None) -> Tensor:
         """[max_cap + 1] float64: the seconds of every cap 0..max_cap (default: the profiled
         ones) at ``batch_size``, interpolated in B; caps above the profile's are held at its last."""
-        sizes, b = self.batch_sizes, float(batch_size)
+        return torch.from_numpy(self.row_array(batch_size, max_cap))
+
+    def row_array(self, batch_size: int, max_cap: int | None = None) -> NDArray:
+        """``row`` as a numpy array (what the policy reads every round)."""
+        sizes, b, grid = self.batch_sizes, float(batch_size), self._grid
         if b >= sizes[-1]:
-            row = self.seconds[-1] * (b / sizes[-1])
+            row = grid[-1] * (b / sizes[-1])
         elif b <= sizes[0]:
-            row = self.seconds[0]
+            row = grid[0]
         else:
             hi = next(i for i, s in enumerate(sizes) if s >= b)
             t = (b - sizes[hi - 1]) / (sizes[hi] - sizes[hi - 1])
-            row = self.seconds[hi - 1] + t * (self.seconds[hi] - self.seconds[hi - 1])
-        caps = torch.arange((self.max_cap if max_cap is None else int(max_cap)) + 1).clamp_max(self.max_cap)
+            row = grid[hi - 1] + t * (grid[hi] - grid[hi - 1])
+        caps = np.minimum(np.arange((self.max_cap if max_cap is None else int(max_cap)) + 1), self.max_cap)
         return row[caps]
 
     def __call__(self, batch_size: int, cap: int) -> float:
-        return float(self.row(batch_size)[min(max(int(cap), 0), self.max_cap)])
+        return float(self.row_array(batch_size)[min(max(int(cap), 0), self.max_cap)])
 
     def to_dict(self) -> dict[str, Any]:
         return {"batch_sizes": list(self.batch_sizes), "seconds": self.seconds.tolist()}
