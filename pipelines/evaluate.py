@@ -164,6 +164,8 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
             "eval_tau": {m: v.tau for m, v in s.items()},
             "eval_tokens_per_s": {m: v.tokens_per_s for m, v in s.items()},
             "eval_speedup": {m: v.speedup for m, v in s.items()},
+            "eval_decode_speedup": {m: v.decode_speedup for m, v in s.items()},  # after the first token
+            "eval_ttft_s": {m: v.ttft_s for m, v in s.items()},
             "eval_lossless": {m: v.lossless for m, v in s.items()},
             "eval_sets": {n: {m: {"tau": v.tau, "speedup": v.speedup} for m, v in g.items()}
                           for n, g in report.sets.items()},

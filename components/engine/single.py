@@ -106,6 +106,8 @@ def target_only_generate(target: Any, prompt_ids: list[int], max_new_tokens: int
     while True:
         token = chooser.sample_target(out.logits[:, -1:], positions(pos, 1, dev), rnd)  # [1, 1]
         res.tokens.append(int(token[0, 0]))
+        if len(res.tokens) == 1:
+            res.prefill_seconds = time.perf_counter() - clock  # the first token known, as the engines'
         pos += 1
         if len(res.tokens) >= max_new_tokens:
             break

@@ -77,7 +77,8 @@ PEER_BASELINES: dict[Peer, str] = {"hf": "hf_generate", "vllm": VLLM_REFERENCE} 
 def _from_engine(method: str, res: GenerationResult, drafting: bool) -> PromptRun:
     return PromptRun(method, "", res.tokens, res.total_seconds,
                      accepted=list(res.accepted) if drafting else [],
-                     drafted=list(res.drafted) if drafting else [], target_forwards=res.target_forwards)
+                     drafted=list(res.drafted) if drafting else [], target_forwards=res.target_forwards,
+                     prefill_seconds=res.prefill_seconds)
 
 
 def target_only(ctx: EvalContext) -> MethodFn:

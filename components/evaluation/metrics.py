@@ -13,7 +13,11 @@ tokens (the kept drafts plus the target's recovered or bonus token).
 * acceptance at position k = (rounds that accepted ≥ k drafts) / (rounds that reached draft k,
   i.e. drafted ≥ k and accepted ≥ k − 1): the conditional acceptance rate of the k-th draft.
 * tokens/s = Σ new tokens / Σ wall seconds over the prompts; speedup = a method's tokens/s ÷
-  the baseline's tokens/s measured in the same run.
+  the baseline's tokens/s measured in the same run. Both count the prompt's prefill, which
+  speculation cannot shorten; where a method records when its first new token was known (our
+  engines; not the peers), the split is kept too: TTFT (mean seconds to the first token) and
+  decode tokens/s = Σ (new tokens − 1) / Σ (seconds − TTFT), with its own decode speedup (what
+  vLLM's TPOT compares).
 * lossless = every prompt's tokens equal the reference's (target-only decoding) exactly; only
   checked where the output is a function of the target and the seed (greedy, Gumbel).
 
@@ -37,6 +41,7 @@ class PromptRun:
     accepted: list[int] = field(default_factory=list)  # accepted drafts per drafting round ([] if no drafting)
     drafted: list[int] = field(default_factory=list)  # drafts proposed per drafting round
     target_forwards: int = 0  # target passes, prefill included (0: not counted)
+    prefill_seconds: float | None = None  # until the first new token was known (None: not recorded)
 
     @property
     def rounds(self) -> int:
@@ -71,7 +76,10 @@ class MethodSummary:
     acceptance_by_position: list[float]  # k = 1.. (empty if the method does not draft)
     reached_by_position: list[int]  # rounds that reached draft k (the denominators)
     target_forwards: int
+    ttft_s: float | None = None  # mean seconds to the first new token (None: not recorded for every prompt)
+    decode_tokens_per_s: float | None = None  # tokens after the first / the seconds after it
     speedup: float | None = None  # tokens/s ÷ the reference method's (target_only)
+    decode_speedup: float | None = None  # decode tokens/s ÷ the reference method's
     speedup_vs_hf_generate: float | None = None  # transformers' methods only
     speedup_vs_vllm_generate: float | None = None  # vLLM's methods only
     lossless: bool | None = None  # None: not checked (sampled rules)
@@ -104,11 +112,18 @@ def summarize(method: str, runs: list[PromptRun]) -> MethodSummary:
     rates, reached = acceptance_by_position(accepted, drafted)
     new_tokens = sum(len(r.tokens) for r in runs)
     seconds = sum(r.seconds for r in runs)
+    ttft = decode = None
+    if runs and all(r.prefill_seconds is not None for r in runs):
+        first = sum(r.prefill_seconds for r in runs)
+        ttft = first / len(runs)
+        after = seconds - first
+        decode = sum(max(len(r.tokens) - 1, 0) for r in runs) / after if after > 0 else None
     return MethodSummary(
         method=method, prompts=len(runs), new_tokens=new_tokens, seconds=seconds,
         tokens_per_s=new_tokens / seconds if seconds > 0 else 0.0, tau=tau(accepted), rounds=len(accepted),
         mean_drafted=sum(drafted) / len(drafted) if drafted else 0.0, acceptance_by_position=rates,
-        reached_by_position=reached, target_forwards=sum(r.target_forwards for r in runs))
+        reached_by_position=reached, target_forwards=sum(r.target_forwards for r in runs),
+        ttft_s=ttft, decode_tokens_per_s=decode)
 
 
 def first_difference(expected: list[int], got: list[int]) -> int | None:
@@ -143,6 +158,8 @@ def add_speedups(summaries: dict[str, MethodSummary], reference: str, hf_referen
     for name, s in summaries.items():
         if base is not None and base.tokens_per_s > 0:
             s.speedup = s.tokens_per_s / base.tokens_per_s
+        if base is not None and base.decode_tokens_per_s and s.decode_tokens_per_s is not None:
+            s.decode_speedup = s.decode_tokens_per_s / base.decode_tokens_per_s
         if name in hf_methods:
             s.speedup_vs_hf_generate = _ratio(s, hf_base)
         if name in (vllm_methods or set()):

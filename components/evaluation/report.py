@@ -56,15 +56,18 @@ def _lossless(s: MethodSummary, reference: str) -> str:
 
 
 def summary_table(report: EvalReport, reference: str = REFERENCE) -> str:
-    head = "| method | tok/s | speedup | vs hf_generate | vs vllm_generate | τ | drafts/round | target passes | lossless |"
-    rows = [head, "|---|" * 1 + "---|" * 8]
+    head = ("| method | tok/s | speedup | TTFT ms | decode tok/s | decode speedup | vs hf_generate | vs vllm_generate "
+            "| τ | drafts/round | target passes | lossless |")
+    rows = [head, "|---|" * 1 + "---|" * 11]
     for s in report.summaries.values():
         rows.append(f"| {s.method} | {s.tokens_per_s:.1f} | {_fmt(s.speedup, '.2f', '×')} | "
+                    f"{_fmt(s.ttft_s * 1e3 if s.ttft_s is not None else None, '.0f')} | "
+                    f"{_fmt(s.decode_tokens_per_s, '.1f')} | {_fmt(s.decode_speedup, '.2f', '×')} | "
                     f"{_fmt(s.speedup_vs_hf_generate, '.2f', '×')} | {_fmt(s.speedup_vs_vllm_generate, '.2f', '×')} | "
                     f"{s.tau:.2f} | {_fmt(s.mean_drafted if s.rounds else None, '.1f')} | "
                     f"{s.target_forwards or '–'} | {_lossless(s, reference)} |")
     for name, why in report.unavailable.items():
-        rows.append(f"| {name} | unavailable: {why.replace('|', '/')} |" + " |" * 7)
+        rows.append(f"| {name} | unavailable: {why.replace('|', '/')} |" + " |" * 10)
     return "\n".join(rows)
 
 
@@ -198,10 +201,11 @@ def _metric_name(part: str) -> str:
 
 
 def method_metrics(prefix: str, s: MethodSummary) -> dict[str, float]:
-    """``<prefix>/{tau,tokens_per_s,seconds,target_forwards,speedup*,lossless,acceptance/k}``."""
+    """``<prefix>/{tau,tokens_per_s,seconds,target_forwards,speedup*,decode_*,ttft_s,lossless,acceptance/k}``."""
     out = {f"{prefix}/tau": s.tau, f"{prefix}/tokens_per_s": s.tokens_per_s, f"{prefix}/seconds": s.seconds,
            f"{prefix}/target_forwards": float(s.target_forwards)}
-    for key in ("speedup", "speedup_vs_hf_generate", "speedup_vs_vllm_generate"):
+    for key in ("speedup", "decode_speedup", "ttft_s", "decode_tokens_per_s", "speedup_vs_hf_generate",
+                "speedup_vs_vllm_generate"):
         if getattr(s, key) is not None:
             out[f"{prefix}/{key}"] = getattr(s, key)
     if s.lossless is not None:

@@ -55,6 +55,7 @@ def test_eval_stage_logs_tables_plots_and_offline_vs_engine(spec_cfg, tiny_targe
     assert {"humaneval", "summarise"} <= set(sets) and out["eval_prompts"] == len(sets)
     assert all(set(out["eval_sets"][n]) == set(EVAL.methods) for n in sets)
     assert set(out["eval_speedup"]) == set(EVAL.methods) and out["eval_speedup"]["target_only"] == 1.0
+    assert out["eval_decode_speedup"]["target_only"] == 1.0 and out["eval_ttft_s"]["target_only"] > 0  # our engines'
     assert out["eval_offline_tau"] == 1.4 and out["eval_engine_tau"] >= 1.0
     assert all(out["eval_lossless"][m] for m in EVAL.methods if m != "target_only")
 

@@ -107,3 +107,12 @@ def test_sampling_rules_at_temperature_zero_are_greedy(tiny_target, references, 
     engine = SpeculativeEngine(tiny_target, random_drafter(tiny_target, "dspark"), rule=rule)
     prompt, ref = prompts(tiny_target)[1], references[1]
     assert engine.generate(prompt, MAX_NEW, SamplingParams(temperature=0.0), seed=3).tokens == ref
+
+
+def test_every_engine_records_when_its_first_token_was_known(tiny_target):
+    """The baseline and the engines time their prefill (the first new token comes from it), so
+    the eval can split time to first token from decoding; it is part of the total."""
+    prompt = prompts(tiny_target)[0]
+    for out in (target_only_generate(tiny_target, prompt, 6),
+                SpeculativeEngine(tiny_target, PromptLookupDrafter(tiny_target.vocab_size, 4)).generate(prompt, 6)):
+        assert 0 < out.prefill_seconds <= out.total_seconds

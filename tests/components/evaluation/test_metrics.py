@@ -36,6 +36,27 @@ def test_summarize_sums_tokens_and_time_over_prompts():
     assert s.tau == pytest.approx(3.0) and s.mean_drafted == 3.0
 
 
+def test_the_prefill_is_split_off_where_every_run_recorded_it():
+    """TTFT is the mean time to the first token; decode tokens/s counts the tokens after it over
+    the seconds after it; a peer that cannot tell (None on any prompt) gets neither."""
+    runs = [PromptRun("m", "a", [1] * 9, 3.0, prefill_seconds=1.0), PromptRun("m", "b", [1] * 5, 2.0, prefill_seconds=0.0)]
+    s = summarize("m", runs)
+    assert s.ttft_s == pytest.approx(0.5) and s.decode_tokens_per_s == pytest.approx((8 + 4) / 4.0)
+    assert s.tokens_per_s == pytest.approx(14 / 5.0)  # the end-to-end figure still counts the prefill
+    peer = summarize("p", [runs[0], PromptRun("p", "b", [1] * 5, 2.0)])
+    assert peer.ttft_s is None and peer.decode_tokens_per_s is None
+
+
+def test_decode_speedup_is_the_ratio_of_decode_rates_of_the_same_run():
+    base = summarize("target_only", [PromptRun("target_only", "a", [1] * 11, 3.0, prefill_seconds=1.0)])  # 5 tok/s
+    fast = summarize("m", [PromptRun("m", "a", [1] * 11, 2.0, prefill_seconds=1.0)])  # 10 tok/s after the first
+    peer = summarize("hf", [PromptRun("hf", "a", [1] * 11, 1.0)])
+    sums = {"target_only": base, "m": fast, "hf": peer}
+    add_speedups(sums, "target_only", "hf", set())
+    assert fast.decode_speedup == pytest.approx(2.0) and fast.speedup == pytest.approx(1.5)
+    assert base.decode_speedup == pytest.approx(1.0) and peer.decode_speedup is None
+
+
 def test_first_difference_and_compare_tokens():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
