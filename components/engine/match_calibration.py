@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,15 +62,15 @@ class MatchCalibration:
         if prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
         self.prior_weight = prior_weight
-        self.trials: dict[Cell, int] = {}
-        self.hits: dict[Cell, int] = {}
+        self.trials: Counter[Cell] = Counter()
+        self.hits: Counter[Cell] = Counter()
         # per request (any object standing for its committed ids, e.g. its tree): position → check
         self._pending: weakref.WeakKeyDictionary[object, dict[int, _Check]] = weakref.WeakKeyDictionary()
 
     def estimate(self, ratios: Sequence[float], cells: Sequence[Cell]) -> list[float]:
         """Each token's estimated acceptance given the ones before it (``ratios`` c_k, their cells)."""
         w = self.prior_weight
-        return [(self.hits.get(c, 0) + w * r) / (self.trials.get(c, 0) + w) for r, c in zip(ratios, cells)]
+        return [(self.hits[c] + w * r) / (self.trials[c] + w) for r, c in zip(ratios, cells)]
 
     def note(self, owner: object, position: int, tokens: Sequence[int], cells: Sequence[Cell]) -> None:
         """A candidate for the ids of ``owner`` from ``position`` on (the first noted at a
@@ -91,18 +92,17 @@ class MatchCalibration:
             return
         for position in [p for p in pending if p < len(ids)]:
             check = pending[position]
-            done = False
             while check.compared < len(check.tokens) and position + check.compared < len(ids):
-                cell, k = check.cells[check.compared], check.compared
-                self.trials[cell] = self.trials.get(cell, 0) + 1
+                k = check.compared
+                self.trials[check.cells[k]] += 1
                 check.compared += 1
                 if ids[position + k] != check.tokens[k]:
-                    done = True
+                    check.compared = len(check.tokens)  # a miss ends the check
                     break
-                self.hits[cell] = self.hits.get(cell, 0) + 1
-            if done or check.compared == len(check.tokens):
+                self.hits[check.cells[k]] += 1
+            if check.compared == len(check.tokens):
                 del pending[position]
 
     def table(self) -> dict[Cell, tuple[int, int]]:
         """cell → (confirmed, predicted) so far (for reports and tests)."""
-        return {c: (self.hits.get(c, 0), n) for c, n in sorted(self.trials.items())}
+        return {c: (self.hits[c], n) for c, n in sorted(self.trials.items())}

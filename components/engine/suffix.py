@@ -39,13 +39,11 @@ text that repeats itself, hence the token bound (``max_cached_tokens``) beside v
 responses. At most one sequence of a tree grows at a time here (a request's; a response is
 added whole), though the tree stays exact if several do.
 
-Proposals are one-hot q (``model_free.one_hot_proposal``), as prompt lookup's, with each draft's
-estimated probability of acceptance given the drafts before it as its confidence, which the
-adaptive draft cap reads as it reads a confidence head's: the tree's count ratio (count / total
-where the tree branches, 1 along a continuation seen once) read through ``calibration``
-(``match_calibration.MatchCalibration``), which learns from the ids each request commits how
-often a token read after a match of that length, at that ratio, from that tree, was right.
-Drafts themselves (which tokens, how many) never depend on it. Asks
+Proposals are one-hot q (``model_free.one_hot_proposal``), as prompt lookup's. Each draft's
+confidence (read by the adaptive cap as a confidence head's) is its estimated acceptance given
+the drafts before it: the tree's count ratio (1 along a continuation seen once) as
+``match_calibration.MatchCalibration`` has learned to read it from the ids requests commit,
+per match length; drafts never depend on it. Asks
 for no target taps (``layer_ids = ()``) and declares ``LEARNS_RESPONSES`` and ``PREVIEWS`` (the
 draft's confidences before drafting, so that the adaptive cap is priced on this round's own
 match, draft-then-decide; no batched passes, DLoop, carryover or tree head). Knows nothing
@@ -60,6 +58,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -67,7 +66,7 @@ from torch import Tensor
 
 from components.drafters.base import Proposal
 from components.drafters.capabilities import Capability
-from components.engine.match_calibration import MatchCalibration, cell_of
+from components.engine.match_calibration import Cell, MatchCalibration, cell_of
 from components.engine.model_free import one_hot_proposal
 from components.spec.sampling import SamplingParams
 
@@ -270,6 +269,16 @@ class Candidate:
         """The expected number of accepted tokens, were the estimates right: Σ probabilities."""
         return sum(self.probs)
 
+    @cached_property
+    def ratios(self) -> list[float]:  # each token's count ratio given the ones before it
+        return conditionals(self.probs)
+
+    @cached_property
+    def cells(self) -> list[Cell]:
+        """Each token's calibration cell (without ``depths``: read along one match)."""
+        depths = self.depths or [self.match_len + k for k in range(len(self.tokens))]
+        return [cell_of(d, r, self.shared) for d, r in zip(depths, self.ratios)]
+
 
 def speculate(tree: SuffixTree, context: Sequence[int], max_match: int, gamma: int, max_spec_factor: float,
               min_prob: float) -> Candidate:
@@ -439,20 +448,13 @@ class SuffixDrafter:
         end = state.length + len(ahead)
         context = tree.seqs.get(REQUEST, [])[max(0, end - self.max_match + 1):end] + [int(last_token[0])]
         best = self.speculate(tree, context, gamma)
-        self.calibration.note(tree, end + 1, best.tokens, self._cells(best))  # its ids: the last token at end
+        self.calibration.note(tree, end + 1, best.tokens, best.cells)  # its ids: the last token at end
         return best
 
     def confidences(self, best: Candidate, count: int | None = None) -> list[float]:
         """The first ``count`` (default all) tokens' estimated acceptance given the ones before
         them: their count conditionals as ``calibration`` has learned to read them."""
-        ratios = conditionals(best.probs[:count])
-        return self.calibration.estimate(ratios, self._cells(best)[:len(ratios)])
-
-    @staticmethod
-    def _cells(best: Candidate) -> list:
-        """The calibration cells of ``best``'s tokens (without ``depths``: read along one match)."""
-        depths = best.depths or [best.match_len + k for k in range(len(best.tokens))]
-        return [cell_of(d, r, best.shared) for d, r in zip(depths, conditionals(best.probs))]
+        return self.calibration.estimate(best.ratios[:count], best.cells[:count])
 
     def speculate(self, request: SuffixTree, context: list[int], gamma: int) -> Candidate:
         """The request tree's candidate, or the global tree's when it scores higher."""

@@ -173,9 +173,7 @@ class AdaptiveDraftLength:
     def calibrated(self, survival: Tensor | NDArray) -> NDArray:
         """survival [B, G] → the same with each position's conditional acceptance
         a_k / a_{k-1} scaled by observed / predicted hits (``_count_hits``), at most 1."""
-        return self._calibrated(_survival(survival))
-
-    def _calibrated(self, a: NDArray) -> NDArray:  # ``calibrated`` of a clamped, non-increasing survival
+        a = _survival(survival)
         if not (self.calibrate and self.predicted_hits):
             return a
         k = min(a.shape[1], len(self.predicted_hits))
@@ -191,13 +189,13 @@ class AdaptiveDraftLength:
         Computed in numpy: a round's cap is a few hundred float64s, on which torch's per-op
         cost outweighs the arithmetic (it is paid every round, between two target passes)."""
         raw = _survival(survival[:, :max_cap])
-        a = self._calibrated(raw)
+        a = self.calibrated(raw)
         bsz = a.shape[0]
         if remaining is None:
             gained = np.concatenate([[0.0], np.cumsum(a.sum(axis=0))])  # [G+1]
             rates = (bsz + gained) / self._priced(bsz, max_cap)  # [G+1] tokens per second
         else:
-            rates = 1.0 / self._drain(a, remaining, max_cap)  # [G+1] batches finished per second
+            rates = 1.0 / self._drain_seconds(a, remaining, max_cap)  # [G+1] batches finished per second
         choice = self._explore(bsz, rates) if self.calibrate else int(rates.argmax())
         self.last_choice = choice
         self._last = ((bsz, choice), raw)
@@ -212,9 +210,7 @@ class AdaptiveDraftLength:
     def _drain_seconds(self, survival: Tensor | NDArray, remaining: list[int], max_cap: int) -> NDArray:
         """survival [B, G], tokens left per row → [G+1] expected seconds until every row is
         done if the cap stayed G (module docstring: draining)."""
-        return self._drain(_survival(survival), remaining, max_cap)
-
-    def _drain(self, a: NDArray, remaining: list[int], max_cap: int) -> NDArray:  # ``_drain_seconds``, prepared
+        a = _survival(survival)
         left = np.maximum(np.asarray(remaining, dtype=np.float64), 1.0)  # [B]
         rounds = left[:, None] / _row_tokens(a, left)  # [B, G+1]
         ordered = np.sort(rounds, axis=0)  # each column: rows' expected ends, soonest first

@@ -6,7 +6,7 @@ Knows seconds on a grid and how to interpolate them; nothing about engines or mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,11 +25,9 @@ class RoundTimes:
 
     batch_sizes: list[int]  # increasing
     seconds: Tensor  # [len(batch_sizes), max_cap + 1] float64
-    _grid: NDArray = field(init=False, repr=False, compare=False)  # the same numbers in numpy, read every round
 
     def __post_init__(self) -> None:
         self.seconds = torch.as_tensor(self.seconds, dtype=torch.float64)
-        self._grid = self.seconds.numpy().copy()
         if self.seconds.dim() != 2 or self.seconds.shape[0] != len(self.batch_sizes) or not self.batch_sizes:
             raise ValueError(f"RoundTimes: seconds {tuple(self.seconds.shape)} does not match "
                              f"{len(self.batch_sizes)} batch sizes")
@@ -47,7 +45,7 @@ class RoundTimes:
 
     def row_array(self, batch_size: int, max_cap: int | None = None) -> NDArray:
         """``row`` as a numpy array (what the policy reads every round)."""
-        sizes, b, grid = self.batch_sizes, float(batch_size), self._grid
+        sizes, b, grid = self.batch_sizes, float(batch_size), self.seconds.numpy()  # a view
         if b >= sizes[-1]:
             row = grid[-1] * (b / sizes[-1])
         elif b <= sizes[0]:
