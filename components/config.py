@@ -304,9 +304,10 @@ class EvalConfig:
                               f"eval.prompt_sets={list(self.embedded_kinds)} instead")
 
 
-# serve.drafter: auto = a trained drafter (drafter_path, drafter_run_id or the train stage's);
-# none = the target alone; suffix = suffix decoding (model-free); hybrid = suffix + the trained drafter
-SERVED_DRAFTERS = ("auto", "none", "suffix", "hybrid")
+# serve.drafter: model = a trained drafter (drafter_path, drafter_run_id or the train stage's);
+# none = the target alone; suffix = suffix decoding (model-free); hybrid = suffix + the trained
+# drafter; auto = whichever of these the eval stage measured fastest (components.serving.provenance)
+SERVED_DRAFTERS = ("auto", "model", "none", "suffix", "hybrid")
 
 
 @dataclass
@@ -315,9 +316,11 @@ class ServeConfig:
     (``components/serving/``). Checked here for ranges and names; what needs a model (context
     length, vocabulary) is checked per request."""
 
-    # Which drafter: "auto" = drafter_path, else drafter_run_id, else the train stage's drafter
+    # Which drafter: "model" = drafter_path, else drafter_run_id, else the train stage's drafter
     # (upstream); "none" = the target alone (speculation off, same API); "suffix" = suffix
-    # decoding (no trained drafter); "hybrid" = suffix decoding or the trained drafter, per round.
+    # decoding (no trained drafter); "hybrid" = suffix decoding or the trained drafter, per round;
+    # "auto" = of these, the fastest lossless one in this pipeline's eval stage (its figures
+    # upstream), else "model" (also whenever drafter_path or drafter_run_id is set).
     drafter: str = "auto"
     drafter_path: str | None = path_field(None)  # a drafter checkpoint directory (config.json + safetensors)
     drafter_run_id: str | None = None  # an MLflow run whose ``train/drafter`` artifact is served

@@ -135,8 +135,9 @@ def _shout(report: EvalReport) -> None:
 
 
 def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
-    """Returns upstream plus ``eval_dir``, ``eval_results``, per-method τ / speedup / lossless over
-    all prompts and τ / speedup per prompt set (``eval_sets``: set → method → {tau, speedup})."""
+    """Returns upstream plus ``eval_dir``, ``eval_results``, the drafter it ran (``eval_drafter_path``),
+    per-method τ / speedup / lossless over all prompts and τ / speedup per prompt set
+    (``eval_sets``: set → method → {tau, speedup})."""
     methods = check_methods(cfg.eval)
     t0 = time.perf_counter()
     target_path = upstream.get("target_path") or resolve_target_path(cfg.target, progress=True)
@@ -161,6 +162,7 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     s = report.summaries
     return {**upstream, "eval_dir": str(out), "eval_results": str(out / "results.json"),
             "eval_methods": methods, "eval_prompts": len(prompts),
+            "eval_drafter_path": (cfg.eval.drafter_path or upstream.get("drafter_path")) if drafter is not None else None,
             "eval_tau": {m: v.tau for m, v in s.items()},
             "eval_tokens_per_s": {m: v.tokens_per_s for m, v in s.items()},
             "eval_speedup": {m: v.speedup for m, v in s.items()},

@@ -92,8 +92,11 @@ def eval_line(out: dict[str, Any]) -> list[str]:
 def serve_line(out: dict[str, Any]) -> list[str]:
     if not out.get("serve_endpoint"):
         return []
-    model = f" (model {out['serve_model']})" if out.get("serve_model") else ""
-    return [f"{out['serve_endpoint']}/v1{model}"]
+    served = [f"model {out['serve_model']}" if out.get("serve_model") else None,
+              f"drafter {out['serve_drafter']}" if out.get("serve_drafter") else None]
+    inner = ", ".join(p for p in served if p)
+    why = f"; serve.drafter=auto: {out['serve_drafter_why']}" if out.get("serve_drafter_why") else ""
+    return [f"{out['serve_endpoint']}/v1" + (f" ({inner}{why})" if inner else "")]
 
 
 LINES: dict[str, Callable[[dict[str, Any]], list[str]]] = {

@@ -113,18 +113,21 @@ def _log(tracker: Tracker, cfg: SpeclineConfig, source: DrafterSource, target_pa
     params = {f"serve.{k}": v for k, v in dataclasses.asdict(cfg.serve).items() if k != "api_key"}
     tracker.log_params(params | {"serve.target_path": target_path, "serve.model": model,
                                  "serve.drafter_source": source.origin, "serve.drafter_checkpoint": source.path,
-                                 "serve.drafter_run": source.run_id, "serve.drafter_version": source.version})
+                                 "serve.drafter_run": source.run_id, "serve.drafter_version": source.version,
+                                 "serve.drafter_served": source.label, "serve.drafter_why": source.why or None})
 
 
 def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict[str, Any]:
-    """Returns upstream plus ``serve_endpoint``, ``serve_app``, ``serve_model``, ``serve_drafter_*``."""
+    """Returns upstream plus ``serve_endpoint``, ``serve_app``, ``serve_model``, ``serve_drafter_*``
+    (``serve_drafter``: what drafts, ``serve_drafter_why``: for ``auto``, the eval's figures)."""
     sc, t0 = cfg.serve, time.perf_counter()
     target_path = upstream.get("target_path") or resolve_target_path(cfg.target, progress=True)
     source = resolve_drafter(cfg, upstream, tracking_uri(cfg) if tracker.enabled else None)
     key, model = api_key(sc), model_id(cfg)
     init_ray(cfg.ray)
     out = {**upstream, "serve_endpoint": endpoint(sc), "serve_app": sc.app_name, "serve_model": model,
-           "serve_drafter_path": source.path, "serve_drafter_run_id": source.run_id}
+           "serve_drafter_path": source.path, "serve_drafter_run_id": source.run_id,
+           "serve_drafter": source.label, "serve_drafter_why": source.why}
     # Ray's driver exits with status 15 on SIGTERM, mid-shutdown; from here SIGTERM is Ctrl-C
     previous = signal.signal(signal.SIGTERM, _terminate) if sc.block else None
     try:
@@ -147,7 +150,8 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
 
 def _announce(sc: ServeConfig, model: str, key: str | None, source: DrafterSource) -> None:
     port, dash = _metrics_port(), dashboard_url()
-    lines = [f"serve: {model} (drafter: {source.label}, from {source.origin}) at {endpoint(sc)}/v1",
+    picked = f"serve: serve.drafter=auto serves {source.label}: {source.why}\n" if source.why else ""
+    lines = [f"{picked}serve: {model} (drafter: {source.label}, from {source.origin}) at {endpoint(sc)}/v1",
              (f"serve: Ray dashboard {dash or 'off (ray.include_dashboard=true to enable)'}; "
              f"metrics: {endpoint(sc)}/metrics (this replica), Ray metrics port {port} (all replicas, ray_ prefix)"),
              f"serve: try  {sample_curl(sc, model, key)}"]

@@ -109,5 +109,8 @@ def test_headlines_pick_the_figure_of_each_stage():
         "drafter τ 3.20 (1.80× speedup), NOT LOSSLESS: drafter"
     assert headline("serve", {"serve_endpoint": "http://127.0.0.1:8000", "serve_model": "tiny"}) == \
         "http://127.0.0.1:8000/v1 (model tiny)"
+    assert headline("serve", {"serve_endpoint": "http://h:1", "serve_model": "tiny", "serve_drafter": "suffix",
+                              "serve_drafter_why": "the fastest"}) == \
+        "http://h:1/v1 (model tiny, drafter suffix; serve.drafter=auto: the fastest)"
     assert headline("train", {}) == "" and headline("nope", {"a": 1}) == ""
     assert (duration(3.04), duration(125), duration(3725)) == ("3.0 s", "2 min 05 s", "1 h 02 min")

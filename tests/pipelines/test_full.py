@@ -41,7 +41,8 @@ def test_the_whole_pipeline_from_a_fresh_directory_then_again_reused(
     port = free_port()
     cfg = load("dspark.yaml", [*SMALL, "stages=[data,train,eval,serve]", "eval.methods=[target_only,drafter]",
                                "eval.max_new_tokens=8", "serve.block=false", f"serve.port={port}",
-                               "serve.adaptive=false", "serve.cpus_per_replica=0.5", "serve.model_name=tiny"])
+                               "serve.adaptive=false", "serve.cpus_per_replica=0.5", "serve.model_name=tiny",
+                               "serve.drafter=model"])  # auto: what the tiny eval timed fastest
     assert cfg.run_dir == str(clone / "runs")  # the default run_dir: relative, made absolute here
     cfg = dataclasses.replace(cfg, target=tiny_target_cfg)
     tracker = Tracker(cfg)

@@ -42,7 +42,9 @@ def test_serve_is_the_full_pipelines_last_stage(spec_cfg, tiny_target_build, dra
     cfg = _cfg(spec_cfg)
     tracker = Tracker(cfg)
     upstream = {"target_path": str(tiny_target_build[0]), "drafter_path": str(drafter_dir),
-                "train_run_id": "train-run-1", "registered_version": 3}
+                "train_run_id": "train-run-1", "registered_version": 3,  # and the eval's figures (serve.drafter=auto)
+                "eval_speedup": {"target_only": 1.0, "drafter": 1.25, "suffix": 1.1},  # serve.adaptive=false: fixed γ
+                "eval_lossless": {"target_only": True, "drafter": True, "suffix": True}}
     try:
         with tracker.run("pipeline"):
             out = full.run(cfg, tracker, upstream)
@@ -55,12 +57,14 @@ def test_serve_is_the_full_pipelines_last_stage(spec_cfg, tiny_target_build, dra
         assert status == 200 and (drafter["run_id"], drafter["version"]) == ("train-run-1", 3)
         printed = capsys.readouterr().err
         assert f"curl http://127.0.0.1:{cfg.serve.port}/v1/chat/completions" in printed and "dashboard" in printed
+        assert "serve.drafter=auto serves train-run-1: the fastest in the eval stage: drafter (" in printed
     finally:
         ray_serve.shutdown()
     client = MlflowClient(f"sqlite:///{Path(cfg.run_dir).resolve() / 'mlflow.db'}")
     params = client.get_run(out["serve_run_id"]).data.params
     assert params["serve.drafter_run"] == "train-run-1" and params["serve.drafter_source"] == "train stage"
     assert params["serve.drafter_checkpoint"] == str(drafter_dir.resolve())
+    assert params["serve.drafter_served"] == "train-run-1" and "drafter 1.25×" in params["serve.drafter_why"]
     assert "serve.api_key" not in params
 
 
