@@ -18,7 +18,9 @@ Every request: ``/v1/completions`` with the prompt as token ids, greedy, ``ignor
 completed/failed, duration, request throughput, output tokens/s, TTFT / TPOT ((e2e − TTFT) /
 (tokens − 1)) / ITL (every gap between chunks) / E2EL (mean, median, p99 in ms), the
 acceptance length from the ``/metrics`` diff (1 + accepted / drafts, vLLM's counter names),
-and output tokens/s relative to ``spec off`` at the same level. Nothing is asserted about time.
+and output tokens/s relative to ``spec off`` at the same level; for a specline server, where the
+engine's time went (busy share of the wall time; prefill, target passes, drafting, the rest of
+its rounds). Nothing is asserted about time.
 
 ``--method suffix`` (no ``--drafter``) or ``hybrid`` serves suffix decoding, whose global tree
 learns every response the server finishes: then each level runs prompts of its own, ``spec on``
@@ -143,12 +145,15 @@ def closed_loop(url: str, bodies: list[dict[str, Any]], concurrency: int) -> tup
 
 
 COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
-            "specline:spec_decode_draft_cap_sum", "specline:spec_decode_draft_cap_count")
+            "specline:spec_decode_draft_cap_sum", "specline:spec_decode_draft_cap_count",
+            "specline:engine_rounds_total", "specline:engine_busy_seconds_total",
+            "specline:engine_prefill_seconds_total", "specline:engine_forward_seconds_total",
+            "specline:engine_draft_seconds_total")
 
 
 def spec_counters(url: str) -> dict[str, float]:
-    """Drafts, accepted tokens and the draft-cap histogram's sum and count from the server's
-    /metrics (vLLM's names and specline's; 0 when absent)."""
+    """Drafts, accepted tokens, the draft-cap histogram's sum and count and the engine's time
+    counters from the server's /metrics (vLLM's names and specline's; 0 when absent)."""
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
     try:
@@ -189,6 +194,20 @@ def report(conc: int, mode: str, runs: list[Run], secs: float, tau: float | None
           f"{tps:8.1f}{ratio}{(f'{tau:6.2f}' if tau else f'{chr(45):>6}')}   {_ms([r.ttft for r in good])}   "
           f"{_ms(tpot)}   {_ms([g for r in good for g in r.gaps])}   {_ms([r.e2e for r in good])}", flush=True)
     return tps
+
+
+def engine_time(mode: str, secs: float, diff: dict[str, float]) -> None:
+    """Where the replica's engine spent the level's wall time (a specline server's counters):
+    busy in rounds, of it prefilling joining requests, the rounds' target passes and drafting;
+    the rest of the wall time it waited for requests (client, HTTP, arrival gaps)."""
+    rounds, busy = diff["specline:engine_rounds_total"], diff["specline:engine_busy_seconds_total"]
+    if rounds <= 0 or secs <= 0:
+        return
+    part = {k: diff[f"specline:engine_{k}_seconds_total"] for k in ("prefill", "forward", "draft")}
+    rest = busy - sum(part.values())
+    print(f"{'':>4} {mode:<8} engine busy {busy:.1f} s ({busy / secs:.0%} of the wall time), {rounds:.0f} rounds "
+          f"({1000 * (busy - part['prefill']) / rounds:.1f} ms a round past admission): prefill {part['prefill']:.1f} s, "
+          f"target passes {part['forward']:.1f} s, drafting {part['draft']:.2f} s, the rest {rest:.1f} s")
 
 
 # ----------------------------------------------------------------------------- setup
@@ -270,6 +289,7 @@ def main() -> None:
             if capped > 0:
                 print(f"{'':>4} {mode:<8} mean draft cap {diff[COUNTERS[2]] / capped:.2f} over {capped:.0f} rounds "
                       f"({drafts:.0f} drafting rounds)")
+            engine_time(mode, secs, diff)
             base = base or tps
 
 

@@ -29,6 +29,11 @@ FIELDS = {  # counter: the EngineStats field it follows
     "vllm:spec_decode_num_drafts": "drafting_rounds",
     "vllm:spec_decode_num_draft_tokens": "drafted",
     "vllm:spec_decode_num_accepted_tokens": "accepted",
+    "specline:engine_rounds": "rounds",
+    "specline:engine_busy_seconds": "busy_seconds",
+    "specline:engine_prefill_seconds": "prefill_seconds",
+    "specline:engine_forward_seconds": "verify_seconds",
+    "specline:engine_draft_seconds": "draft_seconds",
 }
 PER_POSITION = {"vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_at"}  # counter{position}: list field
 

@@ -19,6 +19,9 @@ colon becomes ``_`` and Ray adds its prefix: ``vllm:spec_decode_num_drafts`` is
     specline:spec_decode_fallbacks             counter, drafter failures turned plain decoding
     specline:requests_rejected{reason}         counter, overload rejections
     specline:generation_tokens_per_second      gauge, tokens per second of engine busy time
+    specline:engine_rounds / _busy_seconds / _prefill_seconds / _forward_seconds / _draft_seconds
+                                               counters: the engine's rounds, their time, and of it
+                                               admission (prefill), the rounds' target pass, drafting
 
 Knows metric names and the Prometheus text format; nothing about the engine or HTTP (the
 replica feeds it).
@@ -59,6 +62,14 @@ SPECS: dict[str, tuple[str, str, tuple[str, ...], Sequence[float]]] = {  # name:
                                        (), ()),
     "specline:requests_rejected": ("counter", "Requests rejected for overload.", ("reason",), ()),
     "specline:generation_tokens_per_second": ("gauge", "Tokens per second of engine busy time.", (), ()),
+    "specline:engine_rounds": ("counter", "Engine rounds (admission, drafting, one target pass, acceptance).",
+                               (), ()),
+    "specline:engine_busy_seconds": ("counter", "Engine time in rounds (the rest it waits for requests).", (), ()),
+    "specline:engine_prefill_seconds": ("counter", "Engine time admitting requests (their prefill passes).",
+                                        (), ()),
+    "specline:engine_forward_seconds": ("counter", "Engine time in the rounds' target passes (verify or plain).",
+                                        (), ()),
+    "specline:engine_draft_seconds": ("counter", "Engine time drafting.", (), ()),
 }
 
 

@@ -92,6 +92,7 @@ class BatchEngine:
         self.batch = Batch()
         self.stats = EngineStats()
         self._cancelled: set[str] = set()
+        self._prefill_seconds = 0.0  # this round's admission
         # a fast-step target keeps the running batch in rows of one static slab (cache.slots)
         self.pool = target.slot_pool(self.max_batch_size) if target.batch_cache == "slots" else None
         self.admission = Admission(target, drafter, self.layer_ids, self.settings.preallocate, self.pool)
@@ -154,6 +155,7 @@ class BatchEngine:
         free = self.max_batch_size - len(self.batch.rows)
         outputs += self.admission.admit(self.batch, [self.waiting.popleft()
                                                      for _ in range(min(free, len(self.waiting)))])
+        self._prefill_seconds = time.perf_counter() - start  # (dropping cancelled rows: next to nothing)
         if not self.batch.rows:
             self._record(outputs, 0, [], [], 0.0, 0.0, start)
             return outputs
@@ -181,7 +183,7 @@ class BatchEngine:
             return
         self.stats.record(rows, accepted, drafted, sum(len(o.new_tokens) for o in outputs),
                           sum(o.finished for o in outputs), draft_seconds, forward_seconds,
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, self._prefill_seconds)
 
     def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
         """Runs ``requests`` to completion; results in the order given."""

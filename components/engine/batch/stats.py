@@ -26,10 +26,11 @@ class EngineStats:
     reached_at: list[int] = field(default_factory=list)  # per draft position k: times drafted and reached
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # the batched target forward
+    prefill_seconds: float = 0.0  # admission: the prefill passes of requests joining the batch
     busy_seconds: float = 0.0  # whole rounds, admission (prefill) included
 
     def record(self, rows: int, accepted: list[int], drafted: list[int], emitted: int, finished: int,
-               draft_seconds: float, verify_seconds: float, busy_seconds: float) -> None:
+               draft_seconds: float, verify_seconds: float, busy_seconds: float, prefill_seconds: float = 0.0) -> None:
         """One round: rows in the batch, accepted/drafted per drafting row, tokens emitted."""
         self.rounds += 1
         self.row_rounds += rows
@@ -47,6 +48,7 @@ class EngineStats:
                 self.accepted_at[k] += int(k < a)
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
+        self.prefill_seconds += prefill_seconds
         self.busy_seconds += busy_seconds
 
     def summary(self) -> dict[str, float | list[float]]:
@@ -59,4 +61,5 @@ class EngineStats:
             "alpha_by_position": [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached_at)],
             "tokens_per_second": self.tokens / busy,
             "draft_share": self.draft_seconds / busy, "verify_share": self.verify_seconds / busy,
+            "prefill_share": self.prefill_seconds / busy,
         }

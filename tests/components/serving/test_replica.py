@@ -61,6 +61,10 @@ def test_greedy_is_the_targets_own_and_counted(replica, tiny_target):
     text = replica.metrics.render()
     assert replica.metrics.value("vllm:spec_decode_num_drafts") > 0
     assert 'vllm:request_success_total{model_name="tiny",finished_reason="length"} 6' in text
+    # where the engine's time went: its rounds' target passes, admission (prefill) and drafting are parts of it
+    busy, parts = replica.metrics.value("specline:engine_busy_seconds"), [replica.metrics.value(
+        f"specline:engine_{k}_seconds") for k in ("forward", "prefill", "draft")]
+    assert replica.metrics.value("specline:engine_rounds") >= NEW and all(0 < t for t in parts) and sum(parts) <= busy
 
 
 class Flaky:

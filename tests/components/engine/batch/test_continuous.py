@@ -44,6 +44,7 @@ def test_batch_greedy_equals_target(tiny_target, greedy_refs, drafter_kind, max_
     stats = engine.stats.summary()
     assert stats["tokens"] == sum(map(len, greedy_refs)) and stats["finished"] == len(greedy_refs)
     assert 1 <= stats["mean_batch"] <= max_batch
+    assert 0 < stats["prefill_share"] and 0 < stats["verify_share"] and stats["prefill_share"] + stats["verify_share"] <= 1
     if drafter is not None:
         assert all(r.target_forwards == r.rounds + 1 for r in results)
         drafting = [(a, d) for r in results for a, d in zip(r.accepted, r.drafted)]
