@@ -1,14 +1,21 @@
 """Draft length per round for a batch: fixed γ, or DSpark-style adaptive under load.
 
-The batch engine verifies every row in one padded pass of B·(G+1) tokens, G = the longest
-draft in the batch, so a round's cost depends on G, not on each row's own length. The adaptive
-policy therefore picks one cap G per round, before drafting, maximising expected tokens per
-second (the objective of DSpark's scheduler, Cheng et al. 2026, Algorithm 1, with one cap for
-the padded pass where DSpark admits a length per request)::
+The batch engine verifies every row in one pass; the adaptive policy picks one cap G per round,
+before drafting, maximising expected tokens per second (the objective of DSpark's scheduler,
+Cheng et al. 2026, Algorithm 1, with one cap where DSpark admits a length per request)::
 
     E[tokens](G) = Σ_b (1 + Σ_{k≤G} a_{b,k})            a_{b,k}: P(first k drafts of b accepted)
-    time(G)      = s·T(B·(G+1)) + o + [G > 0]·t_draft    T: profiled target forward time
+    time(G)      = s·T(B·(1+w(G))) + o + [G > 0]·t_draft  T: profiled target forward time
     G*           = argmax_G E[tokens](G) / time(G)        G = 0 is plain decoding
+
+w(G) is the pass's width in drafts per row. A row drafts min(G, L_b), L_b the length of the
+draft it will make where its drafter previews it (suffix decoding, the hybrid: its survival is
+0 past that draft), else G. A padded pass (a ragged HF cache) is as wide as its longest row,
+w(G) = max_b min(G, L_b); a pass of ragged rows (``ragged``: a slot cache, whose rows verify their
+own tokens only) costs its rows' mean, w(G) = mean_b min(G, L_b). A round profile prices (B, G)
+with every row drafting G, so a fractional width is read between the profiled caps. Pricing a
+cap at B·G drafts where most rows have no draft would keep a batch of suffix-decoding rows plain
+in nearly every round.
 
 G = 0 skips the drafter altogether, so when the batch is large enough that a wider pass costs
 more than the accepted tokens are worth, speculation switches itself off instead of slowing the
@@ -47,7 +54,7 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   only seen in rounds that drafted that deep, and which rows those are depends on the cap the
   policy chose: calibrating P(first k accepted) itself would carry the acceptance of the rows
   that happened to draft deep over to every row;
-* measured time: a (batch size, cap) already played is priced at its measured round seconds
+* measured time: a (batch size, width) already played is priced at its measured round seconds
   (running mean); one not played yet at the model's seconds times its side's measured/model
   ratio in the batch-size bucket (one ratio for plain rounds, one for all drafting caps, each
   taken against the model as updated by the round, so terms the model was still learning do
@@ -139,6 +146,7 @@ class AdaptiveDraftLength:
     rounds_seen: int = 0
     adapts = True  # a class attribute: the cap is chosen per round
     calibrate: bool = True  # survival calibration and measured round times (module docstring)
+    ragged: bool = False  # rows verify only their own drafts (a slot cache): width = the rows' mean
     calibration_ema: float = 0.3
     recheck: int = 32  # most rounds per batch-size bucket between re-tries of the side not chosen
     min_recheck: int = 2  # fewest (back-off: doubles while tries lose)
@@ -191,32 +199,45 @@ class AdaptiveDraftLength:
         raw = _survival(survival[:, :max_cap])
         a = self.calibrated(raw)
         bsz = a.shape[0]
+        width = self._width(raw, max_cap)
         if remaining is None:
             gained = np.concatenate([[0.0], np.cumsum(a.sum(axis=0))])  # [G+1]
-            rates = (bsz + gained) / self._priced(bsz, max_cap)  # [G+1] tokens per second
+            rates = (bsz + gained) / self._priced(bsz, max_cap, width)  # [G+1] tokens per second
         else:
-            rates = 1.0 / self._drain_seconds(a, remaining, max_cap)  # [G+1] batches finished per second
+            rates = 1.0 / self._drain_seconds(a, remaining, max_cap, width)  # [G+1] batches finished per second
         choice = self._explore(bsz, rates) if self.calibrate else int(rates.argmax())
         self.last_choice = choice
         self._last = ((bsz, choice), raw)
         return choice
 
-    def _priced(self, bsz: int, max_cap: int) -> NDArray:
-        """[max_cap + 1] a round's seconds at batch ``bsz`` per cap, as the policy believes
-        them: the model's, checked against the clock when calibrating (``_seconds``)."""
-        seconds = self._round_model(bsz, max_cap)
-        return self._seconds(bsz, seconds) if self.calibrate else seconds
+    def _width(self, raw: NDArray, max_cap: int) -> NDArray:
+        """raw survival [B, max_cap] → [max_cap + 1] the pass's width w(G) in drafts per row
+        (module docstring): each row drafts min(G, L_b), L_b its survival's nonzero length."""
+        lengths = (raw > 0).sum(axis=1)  # [B]
+        drafted = np.minimum(np.arange(max_cap + 1)[None, :], lengths[:, None]).astype(np.float64)  # [B, G+1]
+        return drafted.mean(axis=0) if self.ragged else drafted.max(axis=0)
 
-    def _drain_seconds(self, survival: Tensor | NDArray, remaining: list[int], max_cap: int) -> NDArray:
+    def _priced(self, bsz: int, max_cap: int, width: NDArray | None = None) -> NDArray:
+        """[max_cap + 1] a round's seconds at batch ``bsz`` per cap, as the policy believes
+        them: the model's at the pass's ``width`` per cap (default: every row drafting the cap),
+        checked against the clock when calibrating (``_seconds``)."""
+        seconds = self._round_model(bsz, max_cap)
+        if self.calibrate:
+            seconds = self._seconds(bsz, seconds)
+        return seconds if width is None else np.interp(width, np.arange(max_cap + 1, dtype=np.float64), seconds)
+
+    def _drain_seconds(self, survival: Tensor | NDArray, remaining: list[int], max_cap: int,
+                       width: NDArray | None = None) -> NDArray:
         """survival [B, G], tokens left per row → [G+1] expected seconds until every row is
-        done if the cap stayed G (module docstring: draining)."""
+        done if the cap stayed G (module docstring: draining; the batch's ``width`` per cap
+        read for every batch size it shrinks through)."""
         a = _survival(survival)
         left = np.maximum(np.asarray(remaining, dtype=np.float64), 1.0)  # [B]
         rounds = left[:, None] / _row_tokens(a, left)  # [B, G+1]
         ordered = np.sort(rounds, axis=0)  # each column: rows' expected ends, soonest first
         steps = np.diff(ordered, axis=0, prepend=np.zeros((1, ordered.shape[1])))
         bsz = a.shape[0]
-        running = np.stack([self._priced(b, max_cap) for b in range(bsz, 0, -1)])  # [B, G+1]
+        running = np.stack([self._priced(b, max_cap, width) for b in range(bsz, 0, -1)])  # [B, G+1]
         return (steps * running).sum(axis=0)
 
     def _round_model(self, bsz: int, max_cap: int) -> NDArray:
@@ -301,18 +322,23 @@ class AdaptiveDraftLength:
             # against the model as updated by this round: the correction keeps only what the
             # shared terms (scale, overhead, draft time) cannot explain for this bucket and cap
             (bsz, _), _ = self._last
+            # the pass's width in drafts per row, as played (ragged: the rows' own drafts)
+            width = sum(drafted) / max(bsz, 1) if self.ragged else max(0.0, verify_tokens / max(bsz, 1) - 1)
             if self.round_time is not None:
-                predicted = self.round_time(bsz, max(0, verify_tokens // max(bsz, 1) - 1))
+                row = self.round_time.row_array(bsz)
+                predicted = float(np.interp(width, np.arange(row.shape[0], dtype=np.float64), row))
             else:
                 predicted = self._model_seconds(table, float(bool(drafted)))
-            self._correct(round_seconds, predicted)
+            self._correct(round_seconds, predicted, width)
             self._count_hits(accepted, drafted)
         self._last = None
 
-    def _correct(self, round_seconds: float, predicted: float) -> None:
-        """Records the chosen cap's measured round seconds and moves its side's (plain or
-        drafting) measured/model ratio (tokens are calibrated by ``_count_hits``: a round's
-        acceptance is far noisier than its time, so the two are corrected apart)."""
+    def _correct(self, round_seconds: float, predicted: float, width: float) -> None:
+        """Records the round's measured seconds at its width (drafts per row) where that is a
+        whole number (the widths the model is priced at; a ragged round between them teaches
+        only its side's ratio) and moves its side's (plain or drafting) measured/model ratio
+        (tokens are calibrated by ``_count_hits``: a round's acceptance is far noisier than
+        its time, so the two are corrected apart)."""
         (bsz, cap), _ = self._last
         bucket = _bucket(bsz)
         side = (bucket, cap > 0)
@@ -320,8 +346,10 @@ class AdaptiveDraftLength:
         self.tried[side] = self.bucket_rounds[bucket]
         if round_seconds <= 0:
             return
-        for table, key, value in ((self.corrections, side, round_seconds / max(predicted, 1e-12)),
-                                  (self.round_times, (bsz, cap), round_seconds)):
+        updates = [(self.corrections, side, round_seconds / max(predicted, 1e-12))]
+        if width == int(width):
+            updates.append((self.round_times, (bsz, int(width)), round_seconds))
+        for table, key, value in updates:
             old = table.get(key)
             table[key] = value if old is None else (1 - self.calibration_ema) * old + self.calibration_ema * value
 

@@ -57,7 +57,8 @@ def adaptive_policy(target: Any, drafter: Any, settings: EngineSettings, profile
     measured there (``notice(path)`` first; raises ValueError for an unreadable stored file)."""
     stored = stored_round_times(profile_dir, target, drafter, profile_batch_sizes(max_batch_size), notice=notice,
                                 settings=settings)
-    return AdaptiveDraftLength(round_time=stored.times), stored
+    # a slot cache's rows verify only their own drafts: a round costs its rows' mean width
+    return AdaptiveDraftLength(round_time=stored.times, ragged=target.batch_cache == "slots"), stored
 
 
 def adaptive_engine(target: Any, drafter: Any, settings: EngineSettings, profile_dir: str | Path,

@@ -199,3 +199,52 @@ def test_light_load_drafts_fully_heavy_load_plainly():
     assert AdaptiveDraftLength(flat, calibrate=False).cap(survival, 4) == 4
     busy = ProfileTable([1, 1000], [0.001, 1.0])  # compute-bound: every extra token costs
     assert AdaptiveDraftLength(busy, calibrate=False).cap(survival, 4) == 0
+
+
+def _profile_8(per_token: float = 0.0015):
+    """A round profile at batch 8: 24 ms plain, each drafted token of the pass (8·G of them,
+    every row drafting G) ``per_token`` seconds more."""
+    from components.engine.adaptive.times import RoundTimes
+
+    return RoundTimes([8], torch.tensor([[0.024 + per_token * 8 * g for g in range(GAMMA + 1)]], dtype=torch.float64))
+
+
+def _one_row_previewing(length: int = 4, conf: float = 0.95) -> torch.Tensor:
+    """Survival [8, γ]: one row previews a confident draft of ``length`` (0 past it, as a
+    drafter declaring PREVIEWS gives), seven rows will propose nothing."""
+    survival = torch.zeros(8, GAMMA, dtype=torch.float64)
+    survival[0, :length] = torch.full((length,), conf, dtype=torch.float64).cumprod(dim=0)
+    return survival
+
+
+def test_a_ragged_pass_prices_the_drafts_it_will_verify():
+    """Eight rows, one with a confident 4-token suffix draft, the others with nothing to draft.
+    Priced as the profile measured it (every row drafting the cap: 32 more tokens at cap 4) the
+    draft cannot pay; a slot cache verifies each row's own tokens (4 more at cap 4), and a
+    padded pass is as wide as its longest row: the same draft pays in the first and not in the
+    second, where its 28 padding slots cost as much as drafting in every row."""
+    survival = _one_row_previewing()
+    ragged = AdaptiveDraftLength(round_time=_profile_8(), ragged=True, calibrate=False)
+    padded = AdaptiveDraftLength(round_time=_profile_8(), calibrate=False)
+    assert ragged.cap(survival, GAMMA) == 4  # past its draft a cap adds nothing, at no cost: the least of the best
+    assert padded.cap(survival, GAMMA) == 0
+    # every row drafting fully: the width is the cap, ragged or not, and the choice is the same
+    full = torch.full((8, GAMMA), 0.95, dtype=torch.float64).cumprod(dim=-1)
+    assert ragged.cap(full, GAMMA) == padded.cap(full, GAMMA)
+    np_width = ragged._width(survival.numpy(), GAMMA)
+    assert list(np_width) == [0.0, 0.125, 0.25, 0.375, 0.5, 0.5, 0.5, 0.5]
+
+
+def test_a_ragged_round_is_measured_at_its_own_width():
+    """A played round's correction is taken against the profile read at the width it had
+    (drafts per row): a round as the profile predicts it leaves it at 1. Its seconds are kept as
+    the measured time of a width only where that is a whole number of drafts per row."""
+    policy = AdaptiveDraftLength(round_time=_profile_8(), ragged=True)
+    assert policy.cap(_one_row_previewing(), GAMMA) == 4
+    seconds = 0.024 + 0.0015 * 4  # one row verified 4 drafts: width 0.5
+    policy.observe([3], [4], 0.0, seconds, seconds, 8 * 5)
+    assert policy.round_times == {} and abs(policy.corrections[(8, True)] - 1.0) < 1e-9
+    every = torch.full((8, GAMMA), 0.95, dtype=torch.float64).cumprod(dim=-1)
+    cap = policy.cap(every, GAMMA)
+    policy.observe([cap] * 8, [cap] * 8, 0.0, 0.05, 0.05, 8 * (cap + 1))
+    assert policy.round_times == {(8, cap): 0.05}
