@@ -2,7 +2,8 @@
 concurrency levels over HTTP on loopback, speculation on and off in one run.
 
     python bench/serve.py --drafter DIR [--method auto|suffix|hybrid] [--target embedded|DIR] [--concurrency 1,8,32]
-                          [--requests N] [--new-tokens 64] [--threads 1] [--no-adaptive] [--loop-stages S]
+                          [--requests N] [--new-tokens 64] [--threads 1] [--prefill-threads 0] [--no-adaptive]
+                          [--loop-stages S]
                           [--target-step auto|fast|hf]
     python bench/serve.py --url http://127.0.0.1:8000 --model NAME [--tokenizer DIR]   # any OpenAI server
 
@@ -73,6 +74,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=0, help="requests per level (default max(16, 2 x level))")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the replica")
+    ap.add_argument("--prefill-threads", type=int, default=0,
+                    help="serve.prefill_threads: the fast step's threads in prompt passes (0: --threads)")
     ap.add_argument("--target-step", default="auto", choices=["auto", "fast", "hf"],
                     help="target.step of the replica (auto/fast: its linears through the kernel)")
     ap.add_argument("--port", type=int, default=8123)
@@ -240,6 +243,7 @@ def start_server(args: argparse.Namespace, top: int) -> str:
     path = resolve_target_path(target)
     sc = ServeConfig(port=args.port, model_name=args.model, max_ongoing_requests=top, max_queued_requests=2 * top,
                      adaptive=not args.no_adaptive, torch_threads=args.threads, cpus_per_replica=1.0,
+                     prefill_threads=args.prefill_threads,
                      loop_stages=args.loop_stages, drafter=args.method)
     init_ray(RayConfig())
     source = DrafterSource(str(Path(args.drafter).resolve()) if args.drafter else None, "bench",

@@ -344,6 +344,9 @@ class ServeConfig:
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0  # 1 on GPU clusters
     torch_threads: int = 1  # torch CPU threads inside a replica (0: leave as is)
+    # the fast step's threads in a replica's prompt passes (prefill: wide and arithmetic-bound,
+    # stalling the running rows while it lasts); 0: torch_threads, as every other pass
+    prefill_threads: int = 0
     max_ongoing_requests: int = 8  # rows in a replica's running batch (continuous batching)
     max_queued_requests: int = 32  # requests waiting per replica; beyond them: overload_status
     overload_status: int = 503  # 503 | 429, with Retry-After
@@ -377,7 +380,7 @@ class ServeConfig:
         problems = [f"{key} must be at least {low} (got {getattr(self, key)})" for key, low in (
             ("port", 1), ("num_replicas", 1), ("min_replicas", 0), ("max_ongoing_requests", 1),
             ("max_queued_requests", 0), ("retry_after_s", 0), ("max_body_bytes", 1),
-            ("tree_budget", 0), ("torch_threads", 0)) if getattr(self, key) < low]
+            ("tree_budget", 0), ("torch_threads", 0), ("prefill_threads", 0)) if getattr(self, key) < low]
         if self.drafter not in SERVED_DRAFTERS:
             problems.append(f"drafter must be one of {', '.join(SERVED_DRAFTERS)} (got {self.drafter!r}); "
                             "a path goes in drafter_path")

@@ -78,6 +78,8 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
     drafter, family = _served(source, sc, model, target)
     notes: list[str] = []
     target = step_target(target, target_cfg, taps=drafter.layer_ids if drafter is not None else (), lines=notes.append)
+    if target.batch_cache == "slots" and sc.prefill_threads:  # the fast step: prompts on more cores
+        target.prefill_threads = sc.prefill_threads
     if model is not None:  # the drafter's own linears (the target's it shares are left to the step)
         stream_linears(target, target_cfg, modules=[model], keep_target=True)
     stages = _loop_stages(sc, drafter)
@@ -91,6 +93,7 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
                 "tree_budget": drafting.tree_budget, "tree_builder": sc.tree_builder, "sampled_rule": sc.sampled_rule,
                 "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
                 "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
+                "torch_threads": sc.torch_threads, "prefill_threads": sc.prefill_threads or sc.torch_threads,
                 "target_step": notes[-1] if notes else ""}
     adapts = sc.adaptive and guarded is not None
     parts = EngineParts(target, guarded, engine, settings, 0.0, drafting, family, adapts)

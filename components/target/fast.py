@@ -111,6 +111,20 @@ class StepTarget(Target):
         built = f"kernel {kernels.path.stem.removeprefix('rows_gemm-')}" if kernels is not None else "torch"
         return f"fast step, {built}{weights}, {self.capacity} slots"
 
+    @property
+    def prefill_threads(self) -> int:
+        """The kernels' threads in the batch engine's prompt passes (``prefill_slot``; 0: torch's
+        threads, as every other pass). A prefill is arithmetic-bound and wide, and it stalls every
+        running row while it lasts: worth every core where a decode step, memory-bound and
+        narrow, is not (``serve.prefill_threads``). The same bits at any count."""
+        return self.decoder.prefill_threads
+
+    @prefill_threads.setter
+    def prefill_threads(self, threads: int) -> None:
+        if threads < 0:
+            raise ValueError(f"prefill_threads must be >= 0, got {threads}")
+        self.decoder.prefill_threads = int(threads)
+
     def slot_pool(self, rows: int) -> SlotPool:
         """A slab of ``rows`` sequences of ``capacity`` slots each, for the batch engine."""
         return SlotPool(*self.decoder.new_slab(rows))

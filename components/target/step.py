@@ -108,6 +108,7 @@ class StaticDecoder(nn.Module):
         super().__init__()
         self.gemm = gemm or F.linear
         self.kernels = kernels
+        self.prefill_threads = 0  # the kernels' threads in a prompt's pass (0: torch's, as every other pass)
         prepare = getattr(self.gemm, "prepare", None) or (lambda w: w)
         self.shape = s = decoder_shape(model)
         self.taps = tuple(int(t) for t in taps)
@@ -138,16 +139,17 @@ class StaticDecoder(nn.Module):
         return _rms(x, weight, self.shape.eps)
 
     def forward(self, ids: Tensor, pos: Tensor, start: int, mask: Tensor | None, k: list[Tensor],
-                v: list[Tensor], last_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                v: list[Tensor], last_only: bool = False, threads: int = 0) -> tuple[Tensor, Tensor, Tensor]:
         """ids/pos [B, T] (pos: the positions RoPE sees), the T new keys/values written at slots
         start..start+T-1 of k/v (per layer [B, h_kv, S, d]); queries read slots 0..start+T-1 under
         ``mask`` [B, 1, T, start+T] bool (None: T = 1, every slot) → logits [B, T, V] ([B, 1, V]
         of the last token with ``last_only``: a prefill's), taps [B, T, n, H] (n = len(taps), 0
-        allowed), last [B, T, H]."""
+        allowed), last [B, T, H]. ``threads``: the kernels' (0: torch's); each output element is
+        computed by one thread in one order, so any count gives the same bits."""
         s = self.shape
         b, t = ids.shape
         if self.kernels is not None and b == 1 and self.embed.weight.dtype == torch.float32:
-            return self._forward_kernels(ids, start, k, v, last_only)
+            return self._forward_kernels(ids, start, k, v, last_only, threads)
         end = start + t
         heads = s.heads + s.kv_heads
         cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [B, T, 1, d]
@@ -181,19 +183,19 @@ class StaticDecoder(nn.Module):
         count = ids.shape[1]
         pos = torch.arange(count, device=ids.device).unsqueeze(0)
         return self(ids, pos, 0, causal_mask(0, count, ids.device), [x[row:row + 1] for x in k],
-                    [x[row:row + 1] for x in v], last_only=True)
+                    [x[row:row + 1] for x in v], last_only=True, threads=self.prefill_threads)
 
     def _forward_kernels(self, ids: Tensor, start: int, k: list[Tensor], v: list[Tensor],
-                         last_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                         last_only: bool = False, threads: int = 0) -> tuple[Tensor, Tensor, Tensor]:
         """``forward`` for one sequence through the kernel (positions = slots)."""
         t = ids.shape[1]
         seq = torch.zeros(t, dtype=torch.long)
         pos = torch.arange(start, start + t)
-        logits, taps, last = self.forward_rows(ids[0], seq, pos, k, v, last_only)
+        logits, taps, last = self.forward_rows(ids[0], seq, pos, k, v, last_only, threads)
         return logits.unsqueeze(0), taps.unsqueeze(0), last.unsqueeze(0)
 
     def forward_rows(self, ids: Tensor, seq: Tensor, pos: Tensor, k: list[Tensor], v: list[Tensor],
-                     last_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                     last_only: bool = False, threads: int = 0) -> tuple[Tensor, Tensor, Tensor]:
         """New tokens of several sequences, flattened: row t is token ``ids[t]`` of sequence
         ``seq[t]`` (its row of the slab k/v, per layer [B, h_kv, S, d]) at position and slot
         ``pos[t]``; it attends to that sequence's slots 0..pos[t] (rows of one sequence see each
@@ -206,7 +208,7 @@ class StaticDecoder(nn.Module):
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             if self.kernels is not None and x.dtype == torch.float32:
-                self.kernels.layer(x, seq, pos, s, layer, k[i], v[i], self.cos, self.sin)
+                self.kernels.layer(x, seq, pos, s, layer, k[i], v[i], self.cos, self.sin, threads or None)
             else:
                 x = self._layer_rows(x, seq, pos, layer, k[i], v[i])
             if i in self.taps:

@@ -262,3 +262,24 @@ def test_fma_rate_is_a_rate_of_the_builds_width(kernel):
     figure a CPU core can have (not a count of calls or of seconds)."""
     rate = kernel.fma_rate(1, seconds=0.02)
     assert 1 < rate < 10_000  # GFLOP/s of one core
+
+
+@needs_kernel
+def test_a_prompt_pass_on_more_threads_gives_the_same_bits(tiny_target, fast):
+    """``prefill_threads``: the kernels split a pass's outputs between threads, each computed
+    by one thread in one order, so a prompt prefilled on 3 threads leaves the logits, taps and
+    keys/values of 1 thread, bit for bit (the batch engine's decode then cannot tell them apart)."""
+    ids = torch.tensor([prompts(tiny_target)[0]], dtype=torch.long)[:, :40]
+    got = []
+    for threads in (1, 3):
+        fast.prefill_threads = threads
+        pool = fast.slot_pool(1)
+        out = fast.prefill_slot(pool, ids, (0, 1))
+        n = ids.shape[1]  # the slots the prompt wrote (the slab's others are uninitialised)
+        got.append((out.logits, out.hidden, [k[..., :n, :].clone() for k in pool.k], [v[..., :n, :].clone() for v in pool.v]))
+    fast.prefill_threads = 0
+    (l1, h1, k1, v1), (l3, h3, k3, v3) = got
+    assert torch.equal(l1, l3) and torch.equal(h1, h3)
+    assert all(torch.equal(a, b) for a, b in zip(k1 + v1, k3 + v3))
+    with pytest.raises(ValueError, match="prefill_threads must be >= 0"):
+        fast.prefill_threads = -1
