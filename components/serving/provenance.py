@@ -10,7 +10,8 @@ the trained drafter found as for ``model``; ``none`` the target alone.
 ``auto`` (the default) serves what this pipeline's eval stage measured fastest among the forms a
 replica can serve, each as a replica serves it (``SERVED_BY_EVAL``: the batch engine under the
 adaptive cap, or the fixed-γ methods with ``serve.adaptive=false``), plain decoding counting as
-1.0×: only lossless figures, and the trained drafter's only if the eval ran the drafter that
+1.0×: no figure found not lossless (a sampled eval checks none: its rules are exact in
+distribution), and the trained drafter's only if the eval ran the drafter that
 would be served (``measured_pick``). Without such figures, or when ``serve.drafter_path`` or
 ``serve.drafter_run_id`` names a checkpoint, ``auto`` is ``model``. The eval times batch 1, one
 request at a time; a replica under load may rank the forms otherwise (docs/results.md).
@@ -96,7 +97,7 @@ def measured_pick(cfg: SpeclineConfig, upstream: dict[str, Any]) -> Pick | None:
         name = names[column]
         if speedups.get(name) is None:
             continue
-        if not lossless.get(name, False):
+        if lossless.get(name) is False:  # None: not checked (sampled rules, exact in distribution)
             skipped[name] = "not lossless"
         elif form != "suffix" and evaluated != upstream.get("drafter_path"):
             skipped[name] = "the eval ran another drafter (eval.drafter_path)"

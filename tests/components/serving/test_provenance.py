@@ -58,6 +58,9 @@ def test_auto_serves_the_fastest_lossless_form_the_eval_measured(tmp_path, check
     none = resolve_drafter(cfg, _eval(checkpoint, drafter_adaptive=0.9, suffix_adaptive="1.5"), None)
     assert (none.label, none.speculates, none.origin) == ("none", False, "serve.drafter=auto")
     assert none.why.startswith("no served form beat plain decoding") and "suffix_adaptive left out: not lossless" in none.why
+    # a sampled eval does not check token equality (None): its figures count
+    sampled = _eval(checkpoint, suffix_adaptive=1.2) | {"eval_lossless": {"suffix_adaptive": None}}
+    assert resolve_drafter(cfg, sampled, None).method == "suffix"
     # a tie goes to the simpler form
     assert resolve_drafter(cfg, _eval(checkpoint, suffix_adaptive=1.1, drafter_adaptive=1.1), None).method == "suffix"
 
