@@ -208,7 +208,7 @@ class StaticDecoder(nn.Module):
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             if self.kernels is not None and x.dtype == torch.float32:
-                self.kernels.layer(x, seq, pos, s, layer, k[i], v[i], self.cos, self.sin, threads or None)
+                self.kernels.layer(x, seq, pos, s, layer, k[i], v[i], self.cos, self.sin, threads)
             else:
                 x = self._layer_rows(x, seq, pos, layer, k[i], v[i])
             if i in self.taps:

@@ -92,7 +92,6 @@ class BatchEngine:
         self.batch = Batch()
         self.stats = EngineStats()
         self._cancelled: set[str] = set()
-        self._prefill_seconds = 0.0  # this round's admission
         # a fast-step target keeps the running batch in rows of one static slab (cache.slots)
         self.pool = target.slot_pool(self.max_batch_size) if target.batch_cache == "slots" else None
         self.admission = Admission(target, drafter, self.layer_ids, self.settings.preallocate, self.pool)
@@ -155,9 +154,9 @@ class BatchEngine:
         free = self.max_batch_size - len(self.batch.rows)
         outputs += self.admission.admit(self.batch, [self.waiting.popleft()
                                                      for _ in range(min(free, len(self.waiting)))])
-        self._prefill_seconds = time.perf_counter() - start  # (dropping cancelled rows: next to nothing)
+        prefill = time.perf_counter() - start  # admission (dropping cancelled rows: next to nothing)
         if not self.batch.rows:
-            self._record(outputs, 0, [], [], 0.0, 0.0, start)
+            self._record(outputs, 0, [], [], 0.0, 0.0, start, prefill)
             return outputs
         clock, rows = time.perf_counter(), len(self.batch.rows)
         lone = self.trees.lone_row(self.batch)
@@ -165,7 +164,7 @@ class BatchEngine:
             if lone.pending:  # the tree round's drafter reads every committed token
                 self.drafting.flush([lone])
             outs, accepted, nodes, draft_seconds, verify_seconds = self.trees.round(self.batch, lone)
-            self._record(outputs + outs, 1, accepted, nodes, draft_seconds, verify_seconds, start)
+            self._record(outputs + outs, 1, accepted, nodes, draft_seconds, verify_seconds, start, prefill)
             return outputs + outs
         draft_seconds = self.drafting.draft(self.batch.rows, draining=not self.waiting, cache=self.batch.cache)
         logits, hidden, forward_seconds = self._verify_forward()
@@ -174,16 +173,16 @@ class BatchEngine:
         accepted, drafted = [r.result.accepted[-1] for r in drafting], [r.drafts.shape[1] for r in drafting]
         self.draft_length.observe(accepted, drafted, draft_seconds, forward_seconds, time.perf_counter() - clock,
                                   logits.shape[0] * logits.shape[1])
-        self._record(outputs, rows, accepted, drafted, draft_seconds, forward_seconds, start)
+        self._record(outputs, rows, accepted, drafted, draft_seconds, forward_seconds, start, prefill)
         return outputs
 
     def _record(self, outputs: list[StepOutput], rows: int, accepted: list[int], drafted: list[int],
-                draft_seconds: float, forward_seconds: float, start: float) -> None:
+                draft_seconds: float, forward_seconds: float, start: float, prefill_seconds: float) -> None:
         if not outputs and not rows:
             return
         self.stats.record(rows, accepted, drafted, sum(len(o.new_tokens) for o in outputs),
                           sum(o.finished for o in outputs), draft_seconds, forward_seconds,
-                          time.perf_counter() - start, self._prefill_seconds)
+                          time.perf_counter() - start, prefill_seconds)
 
     def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
         """Runs ``requests`` to completion; results in the order given."""
