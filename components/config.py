@@ -274,6 +274,9 @@ class EvalConfig:
     suffix_max_spec_factor: float = 1.0  # a match of m tokens drafts at most factor·m
     suffix_min_token_prob: float = 0.1  # drafts while the estimated probability (Π count/total) stays ≥ this
     suffix_max_cached_responses: int = 10000  # earlier responses in the global tree, oldest out first (0: none)
+    # the global tree starts with these rollouts' responses (the target's own outputs): auto = the data
+    # stage's shards of this run (data.output_dir) when they are this target's; none = empty; or a data dir
+    suffix_rollouts: str | None = path_field("auto")
     # hybrid (components/engine/hybrid.py): per round the suffix side (the suffix_* settings above) when its
     # candidate's score (Σ estimated probabilities: the acceptance length it expects) is ≥ this, else the trained
     # drafter. null: γ of the trained drafter, Arctic Inference's rule (the suffix must expect as many accepted
@@ -373,6 +376,7 @@ class ServeConfig:
     suffix_max_spec_factor: float = 1.0
     suffix_min_token_prob: float = 0.1
     suffix_max_cached_responses: int = 10000
+    suffix_rollouts: str | None = path_field("auto")  # auto: the data stage's shards, as the eval stage's
     hybrid_suffix_threshold: float | None = None  # drafter: hybrid (eval.hybrid_suffix_threshold)
 
     def __post_init__(self) -> None:

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 
 from components.config import EMBEDDED_TARGET, TINY_TARGET, ConfigError, SpeclineConfig
+from components.data.records import RecordMismatchError
+from components.data.shards import find_rollouts, read_responses
 from components.drafters import DrafterError, load_drafter
 from components.drafters.quantize import int8_lm_head
 from components.evaluation import (
@@ -51,6 +53,7 @@ from components.evaluation import (
     eval_prompts,
     needs_assistant,
     needs_drafter,
+    needs_rollouts,
 )
 from components.evaluation import report as rep
 from components.evaluation.assistant import ensure_embedded_assistant, load_assistant
@@ -93,6 +96,29 @@ def _assistant(cfg: SpeclineConfig, target_path: str, target: Any, methods: list
         cache = Path(cfg.target.cache_dir)
         name = str(ensure_embedded_assistant(Path(target_path), cfg.target.tiny, cfg.eval, cache))
     return load_assistant(name, target), name
+
+
+def _rollouts(cfg: SpeclineConfig, upstream: dict[str, Any], target: Any,
+              methods: list[str]) -> tuple[list[list[int]], str | None]:
+    """The responses suffix decoding's global tree starts with (``eval.suffix_rollouts``: auto =
+    the data stage's shards of this run, when they are this target's) and where they are from."""
+    setting = cfg.eval.suffix_rollouts
+    if not needs_rollouts(methods):
+        return [], None
+    try:
+        found = find_rollouts(setting, [upstream.get("data_dir"), cfg.data.output_dir], "eval.suffix_rollouts")
+        responses = list(read_responses(found, target.tokenizer_hash)) if found is not None else []
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    except RecordMismatchError as err:
+        if setting != "auto":
+            raise ConfigError(f"eval.suffix_rollouts: {err}") from None
+        print(f"eval: suffix decoding starts with an empty tree: {err}", flush=True)
+        return [], None
+    if found is not None:
+        print(f"eval: suffix decoding's global tree starts with {len(responses)} rollout responses "
+              f"({sum(map(len, responses)):,} tokens) from {found}", flush=True)
+    return responses, str(found) if found is not None else None
 
 
 def _log(tracker: Tracker, cfg: SpeclineConfig, report: EvalReport, offline: dict[str, Any], out: Path) -> None:
@@ -149,8 +175,9 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
                        lines=lambda line: print(f"eval: {line}", flush=True))
     if fast is not target and drafter is not None:  # the drafter's few-row products too; the target's
         stream_linears(target, cfg.target, modules=[drafter], keep_target=True)  # stay: its peers share it
+    rollouts, rollouts_from = _rollouts(cfg, upstream, target, methods)
     ctx = EvalContext(target, cfg.eval, drafter=drafter, assistant=assistant, assistant_path=assistant_name,
-                      step=fast)
+                      step=fast, rollouts=rollouts, rollouts_from=rollouts_from)
     tracker.log_params({f"eval.{k}": v for k, v in dataclasses.asdict(cfg.eval).items()}
                        | {"eval.target_path": target_path, "eval.assistant_path": assistant_name})
     report = compare_methods(ctx, methods, prompts)

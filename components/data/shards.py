@@ -40,6 +40,7 @@ from components.data.records import (
     check_meta,
     record_bytes_per_token,
     records_to_table,
+    table_to_batch,
     table_to_records,
 )
 
@@ -260,3 +261,56 @@ def read_records(data_dir: Path, expect: RecordMeta | None = None, verify: bool 
             raise RecordMismatchError(f"{path}: checksum differs from {data_dir / MANIFEST} (corrupt or replaced)")
         yield from read_shard(path, expect)
 
+
+
+def read_responses(data_dir: Path, tokenizer_hash: str | None = None) -> Iterator[list[int]]:
+    """The response token ids of every record the manifest lists (each maximal run of
+    loss-masked tokens, in record order), reading only the id and mask columns, not the hidden
+    states. ``tokenizer_hash``: refuse shards tokenized by another tokenizer (their ids would be
+    another vocabulary's)."""
+    data_dir = Path(data_dir)
+    manifest = load_manifest(data_dir)
+    found = manifest["meta"].get("tokenizer_hash")
+    if tokenizer_hash is not None and found != tokenizer_hash:
+        raise RecordMismatchError(f"{data_dir / MANIFEST}: written with another tokenizer (hash {found!r}, this "
+                                  f"target's is {tokenizer_hash!r}); point at rollouts of this target")
+    for shard in manifest["shards"]:
+        path = data_dir / shard["name"]
+        for ids, mask in _ids_and_masks(path):
+            yield from _masked_runs(ids, mask)
+
+
+def _ids_and_masks(path: Path) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids [T], loss_mask [T]) of each record of one shard, either format."""
+    if path.is_file():
+        import ray.air.util.tensor_extensions.arrow  # noqa: F401  (as _read_parquet: the tensor types)
+
+        batch = table_to_batch(pq.read_table(path, columns=["input_ids", "loss_mask"]))
+        yield from zip(batch["input_ids"], batch["loss_mask"])
+        return
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="numpy") as st:
+            yield st.get_tensor("input_ids"), st.get_tensor("loss_mask")
+
+
+def _masked_runs(ids: np.ndarray, mask: np.ndarray) -> Iterator[list[int]]:
+    """Each maximal run of ids where mask is set, as a list."""
+    on = np.flatnonzero(np.diff(np.concatenate([[0], (mask != 0).astype(np.int8), [0]])))
+    for start, end in zip(on[::2], on[1::2]):
+        yield ids[start:end].tolist()
+
+
+def find_rollouts(setting: str | None, candidates: Sequence[str | None], key: str) -> Path | None:
+    """The data directory a ``suffix_rollouts``-style ``key`` names: None for ``none`` (or null);
+    for ``auto`` the first of ``candidates`` that holds a manifest (None when none does); else
+    ``setting`` itself, which must hold one (a FileNotFoundError naming ``key`` otherwise)."""
+    if setting in (None, "none"):
+        return None
+    if setting == "auto":
+        return next((Path(c) for c in candidates if c and (Path(c) / MANIFEST).is_file()), None)
+    if not (Path(setting) / MANIFEST).is_file():
+        raise FileNotFoundError(f"{key}: {setting} holds no {MANIFEST} (point it at a data stage's output "
+                                "directory in shards mode, or set it to auto or none)")
+    return Path(setting)

@@ -56,7 +56,7 @@ requests calls ``observe`` with each finished response (declared as
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -493,8 +493,14 @@ def suffix_proposal(tokens: list[int], confidences: list[float], vocab_size: int
     return prop
 
 
-def suffix_drafter(section: Any, vocab_size: int, device: torch.device | str = "cpu") -> SuffixDrafter:
-    """A ``SuffixDrafter`` as a config section's ``suffix_*`` keys set it (eval's and serve's)."""
-    return SuffixDrafter(vocab_size, section.suffix_num_speculative_tokens, section.suffix_max_tree_depth,
-                         section.suffix_max_spec_factor, section.suffix_min_token_prob,
-                         max_cached_responses=section.suffix_max_cached_responses, device=device)
+def suffix_drafter(section: Any, vocab_size: int, device: torch.device | str = "cpu",
+                   responses: Iterable[Sequence[int]] = ()) -> SuffixDrafter:
+    """A ``SuffixDrafter`` as a config section's ``suffix_*`` keys set it (eval's and serve's),
+    its global tree holding ``responses`` first (the target's own rollouts: the oldest, so the
+    first to go when requests' responses fill the tree)."""
+    drafter = SuffixDrafter(vocab_size, section.suffix_num_speculative_tokens, section.suffix_max_tree_depth,
+                            section.suffix_max_spec_factor, section.suffix_min_token_prob,
+                            max_cached_responses=section.suffix_max_cached_responses, device=device)
+    for response in responses:
+        drafter.observe(response)
+    return drafter

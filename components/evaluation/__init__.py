@@ -27,6 +27,7 @@ from components.evaluation.methods import (
     check_methods,
     needs_assistant,
     needs_drafter,
+    needs_rollouts,
 )
 from components.evaluation.metrics import MethodSummary, Mismatch, PromptRun
 from components.evaluation.prompts import eval_prompts
@@ -46,4 +47,5 @@ __all__ = [
     "eval_prompts",
     "needs_assistant",
     "needs_drafter",
+    "needs_rollouts",
 ]

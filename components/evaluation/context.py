@@ -43,6 +43,10 @@ class EvalContext:
     # its slab): the fast step of ``components.target.fast`` where ``target.step`` chose it,
     # else ``target`` itself
     step: Any = None
+    # the target's own responses (data-stage rollouts) suffix decoding's global tree starts with
+    # (``eval.suffix_rollouts``), and where they came from; none: an empty tree
+    rollouts: list[list[int]] = field(default_factory=list)
+    rollouts_from: str | None = None
 
     @property
     def chain_target(self) -> Any:
@@ -73,6 +77,7 @@ class Method:
     peer: Peer = "ours"  # "ours" follows eval.rule; peers sample their own way (exact only when greedy)
     needs_drafter: bool = False  # the stage loads eval.drafter_path (or the train stage's drafter)
     needs_assistant: bool = False  # the stage loads eval.assistant
+    needs_rollouts: bool = False  # suffix decoding: the stage reads eval.suffix_rollouts' responses
     engine_twin: str | None = None  # our method with the same drafter: per-round acceptances compared
 
     def __post_init__(self) -> None:

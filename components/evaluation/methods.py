@@ -225,8 +225,9 @@ def _suffix_drafter(ctx: EvalContext) -> tuple[SuffixDrafter, dict[str, Any]]:
     """Suffix decoding as the ``suffix_*`` settings say, and those settings for the notes."""
     ev = ctx.ev
     settings = {"max_tree_depth": ev.suffix_max_tree_depth, "max_spec_factor": ev.suffix_max_spec_factor,
-                "min_token_prob": ev.suffix_min_token_prob, "max_cached_responses": ev.suffix_max_cached_responses}
-    return suffix_drafter(ev, ctx.target.vocab_size, ctx.target.device), settings
+                "min_token_prob": ev.suffix_min_token_prob, "max_cached_responses": ev.suffix_max_cached_responses,
+                "rollouts": ctx.rollouts_from, "rollout_responses": len(ctx.rollouts)}
+    return suffix_drafter(ev, ctx.target.vocab_size, ctx.target.device, responses=ctx.rollouts), settings
 
 
 def _learning(ctx: EvalContext, name: str, engine: SpeculativeEngine, drafter: SuffixDrafter | HybridDrafter) -> MethodFn:
@@ -319,10 +320,10 @@ METHODS: dict[str, Method] = {
     "drafter_adaptive": Method(build=drafter_adaptive, needs_drafter=True),
     "drafter_tree": Method(build=drafter_tree, needs_drafter=True),
     "prompt_lookup": Method(build=prompt_lookup),
-    "suffix": Method(build=suffix),
-    "hybrid": Method(build=hybrid, needs_drafter=True),
-    "suffix_adaptive": Method(build=suffix_adaptive),
-    "hybrid_adaptive": Method(build=hybrid_adaptive, needs_drafter=True),
+    "suffix": Method(build=suffix, needs_rollouts=True),
+    "hybrid": Method(build=hybrid, needs_drafter=True, needs_rollouts=True),
+    "suffix_adaptive": Method(build=suffix_adaptive, needs_rollouts=True),
+    "hybrid_adaptive": Method(build=hybrid_adaptive, needs_drafter=True, needs_rollouts=True),
     "hf_generate": Method(build=hf_plain, peer="hf"),
     "hf_prompt_lookup": Method(build=hf_prompt_lookup, peer="hf"),
     "hf_assisted": Method(build=hf_assisted, peer="hf", needs_assistant=True),
@@ -341,6 +342,10 @@ def needs_drafter(names: Iterable[str]) -> bool:
 
 def needs_assistant(names: Iterable[str]) -> bool:
     return any(METHODS[n].needs_assistant for n in names)
+
+
+def needs_rollouts(names: Iterable[str]) -> bool:
+    return any(METHODS[n].needs_rollouts for n in names)
 
 
 def check_methods(ev: EvalConfig) -> list[str]:

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 
 from components.config import ConfigError, ServeConfig, TargetConfig
+from components.data.records import RecordMismatchError
+from components.data.shards import read_responses
 from components.drafters import DrafterError, load_drafter
 from components.drafters.capabilities import Capability, has
 from components.engine import (
@@ -94,7 +96,8 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
                 "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
                 "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
                 "torch_threads": sc.torch_threads, "prefill_threads": sc.prefill_threads or sc.torch_threads,
-                "target_step": notes[-1] if notes else ""}
+                "target_step": notes[-1] if notes else "",
+                "suffix_rollouts": sc.suffix_rollouts if family.startswith(("suffix", "hybrid")) else None}
     adapts = sc.adaptive and guarded is not None
     parts = EngineParts(target, guarded, engine, settings, 0.0, drafting, family, adapts)
     if adapt_now:
@@ -143,15 +146,27 @@ def _served(source: DrafterSource, sc: ServeConfig, model: Any, target: Any) -> 
     hybrid of both (per round the suffix draft when it scores ≥ ``hybrid_suffix_threshold``,
     null: the model's γ), as ``source.method`` says."""
     if source.method == "suffix":
-        return suffix_drafter(sc, target.vocab_size, target.device), "suffix"
+        return _suffix(sc, target), "suffix"
     if model is None:
         return None, "none"
     if source.method == "hybrid":
         threshold = sc.hybrid_suffix_threshold
         threshold = float(model.num_speculative_tokens if threshold is None else threshold)
-        return HybridDrafter(model, suffix_drafter(sc, target.vocab_size, target.device), threshold), \
-            f"hybrid+{model.cfg.name}"
+        return HybridDrafter(model, _suffix(sc, target), threshold), f"hybrid+{model.cfg.name}"
     return model, model.cfg.name
+
+
+def _suffix(sc: ServeConfig, target: Any) -> Any:
+    """Suffix decoding as the ``serve.suffix_*`` keys say, its global tree holding the responses
+    of ``serve.suffix_rollouts`` first (a data directory; the serve stage resolves ``auto`` to one
+    before replicas start, so here ``auto`` finds none)."""
+    responses: list[list[int]] = []
+    if sc.suffix_rollouts not in (None, "none", "auto"):
+        try:
+            responses = list(read_responses(sc.suffix_rollouts, target.tokenizer_hash))
+        except (FileNotFoundError, RecordMismatchError) as err:
+            raise ConfigError(f"serve.suffix_rollouts: {err} (or set serve.suffix_rollouts=none)") from None
+    return suffix_drafter(sc, target.vocab_size, target.device, responses=responses)
 
 
 def _carryover(sc: ServeConfig, drafter: Any, source: DrafterSource) -> bool:

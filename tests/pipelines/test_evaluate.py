@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from components.config import ConfigError, DrafterConfig, EvalConfig, SpeclineConfig
 from components.tracking import Tracker
 from pipelines import evaluate, full
+from tests.components.data.test_data_records import rollout_dir
 
 # one prompt per set of the default prompt sets (humaneval, chat, summarise; the fixture target
 # has no conversations, so chat is left out and the report says so)
@@ -87,6 +88,7 @@ def test_eval_is_a_pipeline_stage():
     ({"methods": ["target_only", "drafter"]}, {}, "eval.drafter_path"),
     ({"methods": ["drafter"], "drafter_path": "/nonexistent/drafter"}, {}, "eval.drafter_path"),
     ({"methods": ["hf_assisted"], "assistant": None}, {}, "eval.assistant"),
+    ({"methods": ["target_only", "suffix"], "suffix_rollouts": "/nonexistent/data"}, {}, "eval.suffix_rollouts"),
 ])
 def test_bad_settings_stop_with_the_key_named(spec_cfg, tiny_target_build, ev, upstream, key):
     cfg = _cfg(dataclasses.replace(spec_cfg, tracking=dataclasses.replace(spec_cfg.tracking, enabled=False)),
@@ -101,3 +103,20 @@ def test_unknown_method_on_the_command_line_is_one_line(capsys):
     argv = ["conf=dspark.yaml", "eval.methods=[target_only,nope]", "tracking.enabled=false"]
     assert main(evaluate.run, "eval", argv) == 2
     assert "error: eval.methods: unknown ['nope']" in capsys.readouterr().err
+
+
+def test_suffix_rollouts_auto_reads_this_runs_rollouts_of_this_target_only(spec_cfg, tiny_target, tmp_path, capsys):
+    """auto: the upstream data directory's responses; another tokenizer's under auto: an empty
+    tree and one line saying why (named explicitly: an error); no suffix method: nothing read."""
+    cfg = dataclasses.replace(spec_cfg, eval=EVAL)
+    data = rollout_dir(tmp_path / "data", tiny_target.tokenizer_hash, [[5, 6, 7], [8, 9]])
+    responses, found = evaluate._rollouts(cfg, {"data_dir": str(data)}, tiny_target, ["target_only", "suffix"])
+    assert responses == [[5, 6, 7], [8, 9]] and found == str(data)
+    assert "starts with 2 rollout responses (5 tokens)" in capsys.readouterr().out
+    assert evaluate._rollouts(cfg, {"data_dir": str(data)}, tiny_target, ["target_only"]) == ([], None)
+    other = rollout_dir(tmp_path / "other", "0" * 16, [[5, 6, 7]])
+    assert evaluate._rollouts(cfg, {"data_dir": str(other)}, tiny_target, ["suffix"]) == ([], None)
+    assert "empty tree" in capsys.readouterr().out
+    named = dataclasses.replace(cfg, eval=dataclasses.replace(EVAL, suffix_rollouts=str(other)))
+    with pytest.raises(ConfigError, match="eval.suffix_rollouts: .*another tokenizer"):
+        evaluate._rollouts(named, {}, tiny_target, ["suffix"])

@@ -110,3 +110,18 @@ def test_sigterm_stops_a_serving_process_as_ctrl_c_does(tmp_path, tiny_target_bu
     assert proc.returncode == 0, err[-3000:]
     assert "serve: SIGTERM: shutting down" in err and "SystemExit" not in err
     assert json.loads(out)["serve_endpoint"] == f"http://127.0.0.1:{port}"
+
+
+def test_suffix_rollouts_auto_is_resolved_before_replicas_start(spec_cfg, tmp_path):
+    """auto → the upstream data directory (else data.output_dir) where suffix decoding serves;
+    ``none`` when neither holds shards; left alone for a checkpoint alone."""
+    from components.serving.provenance import DrafterSource
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    suffix, model = DrafterSource(None, "test", method="suffix"), DrafterSource("/ckpt", "test", method="model")
+    cfg = _cfg(spec_cfg)
+    assert serve._with_rollouts(cfg, {"data_dir": str(data)}, suffix).serve.suffix_rollouts == str(data)
+    assert serve._with_rollouts(cfg, {"data_dir": str(tmp_path / "none")}, suffix).serve.suffix_rollouts == "none"
+    assert serve._with_rollouts(cfg, {"data_dir": str(data)}, model).serve.suffix_rollouts == "auto"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +24,16 @@ from components.data.records import (
     table_to_batch,
     table_to_records,
 )
-from components.data.shards import ShardSpec, read_shard, read_table, write_shard
+from components.data.shards import (
+    MANIFEST,
+    ShardSpec,
+    find_rollouts,
+    read_responses,
+    read_shard,
+    read_table,
+    write_manifest,
+    write_shard,
+)
 from components.drafters.base import TargetInfo
 
 META = RecordMeta("t", "abc", (0, 2), 3, 8, "float16")
@@ -104,3 +114,43 @@ def test_select_layers_keeps_the_wanted_taps_in_order(storage):
 def test_select_layers_names_a_layer_not_captured():
     with pytest.raises(RecordMismatchError, match=r"layers \[5\] were not captured"):
         select_layers([_record(0, 4)], [3, 7], [3, 5])
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "safetensors"])
+def test_responses_are_the_masked_runs_of_every_record_in_manifest_order(tmp_path, fmt):
+    """Suffix decoding's warm start reads only ids and masks: each maximal masked run, in order."""
+    records = [_record(i, 6 + i) for i in range(3)]
+    records[1].loss_mask[:] = [0, 1, 1, 0, 0, 1, 1]  # two turns' responses in one record
+    meta = RecordMeta("t", "abc", (0, 2), 3, 8, "float16")
+    halves = [records[:2], records[2:]]
+    shards = [write_shard(tmp_path, ShardSpec(k, ()), part, meta, "plan", fmt) for k, part in enumerate(halves)]
+    write_manifest(tmp_path, meta, "plan", fmt, shards, {})
+    got = list(read_responses(tmp_path, tokenizer_hash="abc"))
+    assert got == [[3, 4, 5], [1, 2], [5, 6], [4, 5, 6, 7]]
+    with pytest.raises(RecordMismatchError, match="another tokenizer"):
+        list(read_responses(tmp_path, tokenizer_hash="other"))
+
+
+def test_find_rollouts_auto_takes_the_first_directory_with_a_manifest(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / MANIFEST).write_text("{}")
+    empty = tmp_path / "empty"
+    assert find_rollouts("auto", [None, str(empty), str(data)], "eval.suffix_rollouts") == data
+    assert find_rollouts("auto", [str(empty)], "eval.suffix_rollouts") is None
+    assert find_rollouts("none", [str(data)], "eval.suffix_rollouts") is None
+    assert find_rollouts(str(data), [], "eval.suffix_rollouts") == data
+    with pytest.raises(FileNotFoundError, match="eval.suffix_rollouts: .*empty holds no manifest.json"):
+        find_rollouts(str(empty), [], "eval.suffix_rollouts")
+
+
+def rollout_dir(path: Path, tokenizer_hash: str, responses: list[list[int]]) -> Path:
+    """A data directory (one parquet shard + manifest) of one record per response: two prompt
+    tokens, then the response's ids, loss-masked."""
+    meta = RecordMeta("t", tokenizer_hash, (0,), 1, 2, "float32")
+    records = [Record(f"s{i}", np.array([1, 2, *r], np.int32), np.array([0, 0] + [1] * len(r), np.uint8),
+                      np.zeros((len(r) + 2, 1, 2), np.float32), np.zeros((len(r) + 2, 2), np.float32), prompt_len=2)
+               for i, r in enumerate(responses)]
+    path.mkdir(parents=True)
+    write_manifest(path, meta, "p", "parquet", [write_shard(path, ShardSpec(0, ()), records, meta, "p", "parquet")], {})
+    return path

@@ -14,9 +14,10 @@ from collections import Counter
 import pytest
 import torch
 
+from components.config import EvalConfig
 from components.engine import BatchEngine, SpeculativeEngine, SuffixDrafter, target_only_generate
 from components.engine.batch import Request
-from components.engine.suffix import REQUEST, ResponseCache, SuffixTree, speculate
+from components.engine.suffix import REQUEST, ResponseCache, SuffixTree, speculate, suffix_drafter
 from components.spec.sampling import SamplingParams
 from tests.components.engine.batch.test_continuous import requests
 from tests.components.engine.test_engine_zero_draft import SAMPLED, successor_target
@@ -258,6 +259,18 @@ def test_a_prompt_run_again_is_not_drafted_from_its_own_earlier_answer():
     drafter.observe([30, 31], key="q")
     drafter.observe([30, 40], key="q")  # replaces q's earlier answer
     assert drafter.propose(state, torch.tensor([30])).tokens.tolist() == [[40]]
+
+
+def test_rollouts_start_the_global_tree_and_are_the_first_to_go():
+    """``suffix_drafter(responses=...)``: rollouts are kept as the oldest responses, so a
+    continuation seen only in them is drafted, and requests' responses evict them first."""
+    drafter = suffix_drafter(EvalConfig(suffix_num_speculative_tokens=4, suffix_max_tree_depth=8,
+                                        suffix_max_cached_responses=2), 50, responses=[[30, 31, 32], [40, 41]])
+    state = _state(drafter, [1, 2])
+    assert drafter.propose(state, torch.tensor([30])).tokens.tolist() == [[31]]
+    drafter.observe([5, 6], key="request")  # a third response: the oldest rollout goes
+    assert drafter.propose(state, torch.tensor([30])).tokens.shape == (1, 0)
+    assert drafter.propose(state, torch.tensor([40])).tokens.tolist() == [[41]]
 
 
 def test_settings_out_of_range_are_refused():

@@ -20,6 +20,7 @@ from components.serving.protocol import APIError, parse_request
 from components.serving.provenance import DrafterSource
 from components.serving.replica import Replica
 from components.serving.responses import Outcome
+from tests.components.data.test_data_records import rollout_dir
 from tests.components.serving.conftest import greedy_reference, make_parts, prompt_ids
 
 NEW = 12
@@ -297,6 +298,29 @@ def test_suffix_and_hybrid_serve_the_targets_own_and_learn_each_finished_respons
         assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     finally:
         rep.shutdown()
+
+
+def test_suffix_decoding_starts_from_the_rollouts_and_stays_lossless(tiny_target_cfg, tiny_target_build,
+                                                                    tiny_target, tmp_path):
+    """``serve.suffix_rollouts``: the replica's global tree starts with a data directory's
+    responses (here the target's own continuations of the very prompts, so rounds draft from
+    them), output is still the target's own; a directory that is not a data stage's is refused."""
+    prompts = prompt_ids(tiny_target, 3)
+    refs = [greedy_reference(tiny_target, p, NEW) for p in prompts]
+    data = rollout_dir(tmp_path / "data", tiny_target.tokenizer_hash, refs)
+    parts, served, sc = make_parts(tiny_target_cfg, tiny_target_build, None, method="suffix", suffix_rollouts=str(data))
+    suffix = parts.drafter.drafter
+    assert suffix.responses.tokens == sum(map(len, refs)) and parts.settings["suffix_rollouts"] == str(data)
+    rep = Replica(parts, served, sc.max_queued_requests, drafter_label="suffix")
+    try:
+        assert rep.warm_up()
+        outs = asyncio.run(_many(rep, [_greedy(p) for p in prompts]))
+        assert [o.token_ids for o in outs] == refs
+        assert parts.engine.stats.accepted > 0  # drafted from the rollouts
+    finally:
+        rep.shutdown()
+    with pytest.raises(ConfigError, match="serve.suffix_rollouts: .*no manifest"):
+        make_parts(tiny_target_cfg, tiny_target_build, None, method="suffix", suffix_rollouts=str(tmp_path))
 
 
 def test_suffix_with_carryover_is_a_config_error(tiny_target_cfg, tiny_target_build):
