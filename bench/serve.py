@@ -3,7 +3,7 @@ concurrency levels over HTTP on loopback, speculation on and off in one run.
 
     python bench/serve.py --drafter DIR [--method auto|suffix|hybrid] [--target embedded|DIR] [--concurrency 1,8,32]
                           [--requests N] [--new-tokens 64] [--threads 1] [--prefill-threads 0] [--no-adaptive]
-                          [--loop-stages S]
+                          [--loop-stages S] [--rollouts DATA_DIR]
                           [--target-step auto|fast|hf]
     python bench/serve.py --url http://127.0.0.1:8000 --model NAME [--tokenizer DIR]   # any OpenAI server
 
@@ -26,7 +26,8 @@ its rounds). Nothing is asserted about time.
 ``--method suffix`` (no ``--drafter``) or ``hybrid`` serves suffix decoding, whose global tree
 learns every response the server finishes: then each level runs prompts of its own, ``spec on``
 before ``spec off``, so that no timed request is drafted from its own earlier answer (the warm-up
-requests use a prompt of their own).
+requests use a prompt of their own). ``--rollouts`` starts that global tree with a data
+directory's responses (``serve.suffix_rollouts``; default: empty).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-adaptive", action="store_true", help="fixed draft length instead of the adaptive cap")
     ap.add_argument("--loop-stages", type=int, default=None,
                     help="DLoop stages per round (default: serve's, 3 for block drafters; 1 = DLoop off)")
+    ap.add_argument("--rollouts", default="none",
+                    help="suffix/hybrid: a data stage's output directory whose responses start the global tree")
     return ap.parse_args()
 
 
@@ -244,7 +247,8 @@ def start_server(args: argparse.Namespace, top: int) -> str:
     sc = ServeConfig(port=args.port, model_name=args.model, max_ongoing_requests=top, max_queued_requests=2 * top,
                      adaptive=not args.no_adaptive, torch_threads=args.threads, cpus_per_replica=1.0,
                      prefill_threads=args.prefill_threads,
-                     loop_stages=args.loop_stages, drafter=args.method)
+                     loop_stages=args.loop_stages, drafter=args.method,
+                     suffix_rollouts=str(Path(args.rollouts).resolve()) if args.rollouts != "none" else "none")
     init_ray(RayConfig())
     source = DrafterSource(str(Path(args.drafter).resolve()) if args.drafter else None, "bench",
                            method="model" if args.method == "auto" else args.method)

@@ -5,6 +5,7 @@ engine with every registered drafter and the model-free ones."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -156,12 +157,11 @@ def test_step_setting(tiny_target_cfg, tiny_target):
     assert step_target(tiny_target, dataclasses.replace(tiny_target_cfg, step="hf")) is tiny_target
     with pytest.raises(TargetError, match="target.step: 'fastest'"):
         step_wanted(dataclasses.replace(tiny_target_cfg, step="fastest"), tiny_target)
-    bf16 = type(tiny_target)(tiny_target.model.to(torch.bfloat16), tiny_target.tokenizer, tiny_target.name_or_path)
-    try:
-        with pytest.raises(TargetError, match="runs float32"):
-            step_wanted(dataclasses.replace(tiny_target_cfg, step="fast"), bf16)
-    finally:
-        tiny_target.model.to(torch.float32)
+    # a copy: casting the shared fixture to bf16 and back would round its weights for every later test
+    model = copy.deepcopy(tiny_target.model).to(torch.bfloat16)
+    bf16 = type(tiny_target)(model, tiny_target.tokenizer, tiny_target.name_or_path)
+    with pytest.raises(TargetError, match="runs float32"):
+        step_wanted(dataclasses.replace(tiny_target_cfg, step="fast"), bf16)
 
 
 def test_streamed_linears_keep_the_transformers_forward(tiny_target_cfg, tmp_path):
