@@ -95,7 +95,7 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
                 "tree_budget": drafting.tree_budget, "tree_builder": sc.tree_builder, "sampled_rule": sc.sampled_rule,
                 "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
                 "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
-                "torch_threads": sc.torch_threads, "prefill_threads": sc.prefill_threads or sc.torch_threads,
+                "torch_threads": sc.torch_threads, "prefill_threads": (sc.prefill_threads or sc.torch_threads) if target.batch_cache == "slots" else sc.torch_threads,
                 "target_step": notes[-1] if notes else "",
                 "suffix_rollouts": sc.suffix_rollouts if family.startswith(("suffix", "hybrid")) else None}
     adapts = sc.adaptive and guarded is not None

@@ -323,6 +323,12 @@ def test_suffix_decoding_starts_from_the_rollouts_and_stays_lossless(tiny_target
         make_parts(tiny_target_cfg, tiny_target_build, None, method="suffix", suffix_rollouts=str(tmp_path))
 
 
+def test_models_reports_the_prefill_threads_the_target_uses(tiny_target_cfg, tiny_target_build):
+    """serve.prefill_threads is the fast step's; transformers' forward prefills on torch_threads."""
+    parts, _, sc = make_parts(tiny_target_cfg, tiny_target_build, None, method="none", prefill_threads=2)
+    assert parts.target.batch_cache != "slots" and parts.settings["prefill_threads"] == sc.torch_threads
+
+
 def test_suffix_with_carryover_is_a_config_error(tiny_target_cfg, tiny_target_build):
     with pytest.raises(ConfigError, match="serve.carryover: suffix decoding"):
         make_parts(tiny_target_cfg, tiny_target_build, None, method="suffix", carryover=True)
