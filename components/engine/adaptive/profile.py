@@ -21,7 +21,7 @@ Acceptance does not enter the table (the policy gets it from confidences and wha
 but the rounds' holes and compactions depend on it: on random prompts a small target soon
 loops and a trained drafter follows, near real traffic there; for a target that does not loop,
 the rounds are priced as rounds that draft in vain. ``stored_round_times`` keeps a profile in
-a JSON file and reuses it for the same target, drafter, engine settings and host threads.
+a JSON file and reuses it for the same target, drafter, engine settings, processor and threads.
 ``profile_forward_time`` is the cheaper table the policy falls back on: the target's forward
 alone, T(n).
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -174,7 +175,24 @@ def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], settings:
             "drafter": f"{drafter.identity()}:{settings.max_cap}",
             "batch_sizes": sorted({int(b) for b in batch_sizes}),
             "engine": settings.describe(), "timing": {"context": context, "rounds": rounds, "seed": seed},
-            "device": str(target.device), "dtype": str(target.dtype), "threads": torch.get_num_threads()}
+            "device": str(target.device), "host": host_processor(target.device), "dtype": str(target.dtype),
+            "threads": torch.get_num_threads()}
+
+
+def host_processor(device: Any) -> str:
+    """The processor a timing ran on, as the system names it: the GPU's name on CUDA, else the
+    CPU's model name (Linux's ``/proc/cpuinfo``; the platform's word elsewhere) and how many
+    logical CPUs there are. A profile directory shared between machines (a home directory, a
+    VM moved to other hardware) must not hand one machine's times to another."""
+    if getattr(device, "type", str(device)) == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} x {os.cpu_count()}"
 
 
 @dataclass

@@ -4,6 +4,7 @@ rounds from it from the first round on."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -139,3 +140,14 @@ def test_profiles_of_different_drafters_are_kept_apart(tiny_target, tmp_path):
     assert len(set(keys)) == 2
     assert profile_key(tiny_target, small, (1,), resolve_settings(small, loop_stages=2)) \
         != profile_key(tiny_target, small, (1,), resolve_settings(small))
+
+
+def test_a_profile_is_keyed_by_the_processor_it_was_timed_on(tiny_target, monkeypatch):
+    """Another processor (a shared profile directory, a VM moved to other hardware) is another key."""
+    from components.engine.adaptive import profile
+
+    d = random_drafter(tiny_target, "dspark")
+    here = profile_key(tiny_target, d, (1,), resolve_settings(d))
+    assert here["host"] == profile.host_processor(tiny_target.device) and here["host"].endswith(f" x {os.cpu_count()}")
+    monkeypatch.setattr(profile.os, "cpu_count", lambda: 1024)
+    assert profile_key(tiny_target, d, (1,), resolve_settings(d)) != here
