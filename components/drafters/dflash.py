@@ -254,6 +254,8 @@ class DFlashDrafter(Drafter):
         """``consume`` for many batch-1 states at once (the batch engine's rows): one context
         projection over the rows' new positions, padded to the longest (tokens[i] [1, t_i],
         hidden[i] [1, t_i, n, H]); each state keeps only its own t_i rows."""
+        if len(states) == 1:  # nothing to pad: the batch-1 path, without copying the taps
+            return [self.consume(states[0], tokens[0], hidden[0])]
         lens = [t.shape[1] for t in tokens]
         width, dev = max(lens), tokens[0].device
         taps = torch.zeros(len(states), width, *hidden[0].shape[2:], dtype=hidden[0].dtype, device=dev)
@@ -323,7 +325,10 @@ class DFlashDrafter(Drafter):
         return lambda ids: self.backbone(self.block_embed(ids, state.recycled), positions.to(ids.device), context, None)
 
     def rows_runner(self, states: list[DraftState], dev: torch.device) -> Callable[[Tensor], Tensor]:
-        """``block_runner`` for many batch-1 states at once: their contexts right-padded and masked."""
+        """``block_runner`` for many batch-1 states at once: their contexts right-padded and masked
+        (one state: ``block_runner`` itself, its context read in place, unpadded)."""
+        if len(states) == 1:
+            return self.block_runner(states[0], 1)
         ctxs = [self.propose_context(s) for s in states]  # per row: per layer (k, v) [1, h, L_r, d]
         bs, r = self.cfg.block_size, len(states)
         padded = [pad_kv_rows([c[layer] for c in ctxs], dev) for layer in range(len(ctxs[0]))]
