@@ -23,11 +23,12 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from components.cluster import dashboard_url, init_ray, shutdown_ray
 from components.config import ConfigError, ServeConfig, SpeclineConfig
-from components.data.shards import find_rollouts
+from components.data.shards import find_rollouts, load_manifest
 from components.serving.app import build_app, model_id
 from components.serving.auth import api_key
 from components.serving.provenance import DrafterSource, resolve_drafter
@@ -118,19 +119,22 @@ def _log(tracker: Tracker, cfg: SpeclineConfig, source: DrafterSource, target_pa
                                  "serve.drafter_served": source.label, "serve.drafter_why": source.why or None})
 
 
-def _with_rollouts(cfg: SpeclineConfig, upstream: dict[str, Any], source: DrafterSource) -> SpeclineConfig:
+def _with_rollouts(cfg: SpeclineConfig, upstream: dict[str, Any], source: DrafterSource,
+                   target_path: str) -> SpeclineConfig:
     """``cfg`` with ``serve.suffix_rollouts`` resolved for the replicas, where suffix decoding
     serves: ``auto`` → the data stage's shards of this run (upstream ``data_dir``, else
-    ``data.output_dir``) or ``none``."""
+    ``data.output_dir``) when they are of the served target (``target_path``), else ``none``
+    (a named directory is the replica's to check: its tokenizer against the target's)."""
     sc = cfg.serve
     if source.method not in ("suffix", "hybrid") or sc.suffix_rollouts != "auto":
         return cfg
-    try:
-        found = find_rollouts(sc.suffix_rollouts, [upstream.get("data_dir"), cfg.data.output_dir],
-                              "serve.suffix_rollouts")
-    except FileNotFoundError as err:
-        raise ConfigError(str(err)) from None
-    if found is not None:
+    found = find_rollouts(sc.suffix_rollouts, [upstream.get("data_dir"), cfg.data.output_dir], "serve.suffix_rollouts")
+    of = load_manifest(found)["meta"].get("target") if found is not None else None
+    if found is not None and Path(str(of)).resolve() != Path(target_path).resolve():
+        print(f"serve: suffix decoding starts with an empty tree: the rollouts in {found} are of {of}, "
+              f"not of {target_path}", file=sys.stderr, flush=True)
+        found = None
+    elif found is not None:
         print(f"serve: suffix decoding's global tree starts with the rollouts in {found}", file=sys.stderr, flush=True)
     return dataclasses.replace(cfg, serve=dataclasses.replace(sc, suffix_rollouts=str(found) if found else "none"))
 
@@ -142,7 +146,7 @@ def run(cfg: SpeclineConfig, tracker: Tracker, upstream: dict[str, Any]) -> dict
     target_path = upstream.get("target_path") or resolve_target_path(cfg.target, progress=True)
     source = resolve_drafter(cfg, upstream, tracking_uri(cfg) if tracker.enabled else None)
     key, model = api_key(sc), model_id(cfg)
-    cfg = _with_rollouts(cfg, upstream, source)
+    cfg = _with_rollouts(cfg, upstream, source, target_path)
     init_ray(cfg.ray)
     out = {**upstream, "serve_endpoint": endpoint(sc), "serve_app": sc.app_name, "serve_model": model,
            "serve_drafter_path": source.path, "serve_drafter_run_id": source.run_id,

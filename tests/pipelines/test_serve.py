@@ -119,9 +119,11 @@ def test_suffix_rollouts_auto_is_resolved_before_replicas_start(spec_cfg, tmp_pa
 
     data = tmp_path / "data"
     data.mkdir()
-    (data / "manifest.json").write_text("{}")
+    (data / "manifest.json").write_text(json.dumps({"meta": {"target": str(tmp_path / "target")}}))
     suffix, model = DrafterSource(None, "test", method="suffix"), DrafterSource("/ckpt", "test", method="model")
-    cfg = _cfg(spec_cfg)
-    assert serve._with_rollouts(cfg, {"data_dir": str(data)}, suffix).serve.suffix_rollouts == str(data)
-    assert serve._with_rollouts(cfg, {"data_dir": str(tmp_path / "none")}, suffix).serve.suffix_rollouts == "none"
-    assert serve._with_rollouts(cfg, {"data_dir": str(data)}, model).serve.suffix_rollouts == "auto"
+    cfg, target = _cfg(spec_cfg), str(tmp_path / "target")
+    assert serve._with_rollouts(cfg, {"data_dir": str(data)}, suffix, target).serve.suffix_rollouts == str(data)
+    assert serve._with_rollouts(cfg, {"data_dir": str(tmp_path / "no")}, suffix, target).serve.suffix_rollouts == "none"
+    assert serve._with_rollouts(cfg, {"data_dir": str(data)}, model, target).serve.suffix_rollouts == "auto"
+    # another target's rollouts: an empty tree, said so
+    assert serve._with_rollouts(cfg, {"data_dir": str(data)}, suffix, "/models/other").serve.suffix_rollouts == "none"
