@@ -17,38 +17,37 @@ smaller id), each token's estimated probability the running product of count(nex
 next tokens seen there), while that stays ≥ ``min_token_prob`` and the draft is shorter than
 ``min(γ, max_spec_factor · match)``. Where the continuation runs out (the match's earlier
 occurrence reached the end of what is known, as in a loop one period back), context + draft is
-matched again and the walk goes on, as prompt lookup follows a loop. A candidate's score is the sum of its tokens' probabilities; the global tree's candidate is taken
-only when it scores higher than the request's. No match, or a best score below ``min_score``:
-nothing is proposed (an empty ``Proposal``, tokens [1, 0]) and the engines take a plain step.
+matched again and the walk goes on, as prompt lookup follows a loop. A candidate's score is the
+sum of its tokens' probabilities; the global tree's candidate is taken only when it scores
+higher than the request's. No match, or a best score below ``min_score``: nothing is proposed
+(an empty ``Proposal``, tokens [1, 0]) and the engines take a plain step.
 
 Where this differs from Arctic Inference's implementation (which vLLM calls): the longest match
 only, not the best-scoring of every match length, and loops followed by matching again;
-probabilities over the occurrences that have
-a next token (the context's own trailing occurrence is no evidence); responses enter the global
-tree when finished (``observe``), not token by token while they are generated; chains only --
-the paper's speculation *trees* are out of scope (``tree.TreeEngine`` verifies trees, but this
-drafter returns one chain).
+probabilities over the occurrences that have a next token (the context's own trailing occurrence
+is no evidence); responses enter the global tree when finished (``observe``), not token by token
+while they are generated, and ``suffix_drafter`` can start it with earlier ones (the data
+stage's rollouts); chains only -- the paper's speculation *trees* are out of scope
+(``tree.TreeEngine`` verifies trees, but this drafter returns one chain).
 
 The trie is stored lazily so that memory and time follow the repeats, not ``max_depth``: a node
 seen once stores no children, only where its one occurrence continues (``_Node.seq/pos``); it
-grows children when a second occurrence arrives. Appending a token touches one node per
-repeated suffix of the sequence, and a match of m tokens costs O(m log m) steps (galloping
-over the length). In
-CPython the global tree costs about 0.2 KB per kept token on varied text and up to ~1 KB on
-text that repeats itself, hence the token bound (``max_cached_tokens``) beside vLLM's count of
-responses. At most one sequence of a tree grows at a time here (a request's; a response is
-added whole), though the tree stays exact if several do.
+grows children when a second occurrence arrives. Appending a token touches one node per repeated
+suffix of the sequence, and a match of m tokens costs O(m log m) steps (galloping over the
+length). In CPython the global tree costs about 0.2 KB per kept token on varied text and up to
+~1 KB on text that repeats itself, hence the token bound (``max_cached_tokens``) beside vLLM's
+count of responses. At most one sequence of a tree grows at a time here (a request's; a response
+is added whole), though the tree stays exact if several do.
 
 Proposals are one-hot q (``model_free.one_hot_proposal``), as prompt lookup's. Each draft's
 confidence (read by the adaptive cap as a confidence head's) is its estimated acceptance given
 the drafts before it: the tree's count ratio (1 along a continuation seen once) as
 ``match_calibration.MatchCalibration`` has learned to read it from the ids requests commit,
-per match length; drafts never depend on it. Asks
-for no target taps (``layer_ids = ()``) and declares ``LEARNS_RESPONSES`` and ``PREVIEWS`` (the
-draft's confidences before drafting, so that the adaptive cap is priced on this round's own
-match, draft-then-decide; no batched passes, DLoop, carryover or tree head). Knows nothing
-about verification, caches or tokenization; who runs
-requests calls ``observe`` with each finished response (declared as
+per match length; drafts never depend on it. Asks for no target taps (``layer_ids = ()``) and
+declares ``LEARNS_RESPONSES`` and ``PREVIEWS`` (the draft's confidences before drafting, so that
+the adaptive cap is priced on this round's own match, draft-then-decide; no batched passes,
+DLoop, carryover or tree head). Knows nothing about verification, caches, files or tokenization;
+who runs requests calls ``observe`` with each finished response (declared as
 ``Capability.LEARNS_RESPONSES``: the batch engine does it as rows finish, the eval stage's
 ``suffix`` method after each request). Not thread-safe: observe from the thread that drafts.
 """
@@ -370,9 +369,8 @@ class SuffixDrafter:
         if not 1 <= num_speculative_tokens < max_depth:
             raise ValueError(f"need 1 ≤ num_speculative_tokens ({num_speculative_tokens}) < max_depth ({max_depth})")
         if max_spec_factor <= 0 or not 0 <= min_token_prob <= 1 or max_cached_responses < 0 or max_cached_tokens < 1:
-            raise ValueError(f"need max_spec_factor > 0 ({max_spec_factor}), 0 ≤ min_token_prob ≤ 1 "
-                             f"({min_token_prob}), max_cached_responses ≥ 0 ({max_cached_responses}) and "
-                             f"max_cached_tokens ≥ 1 ({max_cached_tokens})")
+            raise ValueError(f"need max_spec_factor > 0 ({max_spec_factor}), 0 ≤ min_token_prob ≤ 1 ({min_token_prob}), "
+                             f"max_cached_responses ≥ 0 ({max_cached_responses}), max_cached_tokens ≥ 1 ({max_cached_tokens})")
         self.vocab_size, self.num_speculative_tokens = vocab_size, num_speculative_tokens
         self.max_depth, self.max_match = max_depth, max_depth - num_speculative_tokens
         self.max_spec_factor, self.min_token_prob, self.min_score = max_spec_factor, min_token_prob, min_score
@@ -381,8 +379,7 @@ class SuffixDrafter:
         self.device = torch.device(device)
 
     def capabilities(self) -> frozenset[Capability]:
-        """LEARNS_RESPONSES (``observe``), PREVIEWS (``preview``); one request at a time, no own
-        states, no carryover."""
+        """LEARNS_RESPONSES (``observe``), PREVIEWS (``preview``); batch 1, no own states or carryover."""
         return frozenset({Capability.LEARNS_RESPONSES, Capability.PREVIEWS})
 
     def identity(self) -> str:
@@ -421,8 +418,7 @@ class SuffixDrafter:
     # ------------------------------------------------------------------ drafting
     def propose(self, state: SuffixState, last_token: Tensor, sampling: SamplingParams | None = None,
                 generator: torch.Generator | None = None, num_speculative_tokens: int | None = None) -> Proposal:
-        """At most γ tokens after ``last_token`` [1]; an empty proposal (tokens [1, 0]) without a
-        match or below ``min_score``."""
+        """At most γ tokens after ``last_token`` [1]; none (tokens [1, 0]) without a match ≥ ``min_score``."""
         best = self.candidate(state, last_token, num_speculative_tokens or self.num_speculative_tokens)
         tokens = self._kept(best)
         return suffix_proposal(tokens, self.confidences(best, len(tokens)), self.vocab_size, self.device)
@@ -473,8 +469,7 @@ class SuffixDrafter:
         self.responses.add(response, key)
 
     def forget(self, key: Hashable) -> None:
-        """Drops the response kept under ``key`` (call before running that request again, so
-        that it is not drafted from its own earlier answer)."""
+        """Drops the response kept under ``key`` (before running that request again: not from its own answer)."""
         self.responses.forget(key)
 
 
@@ -495,9 +490,8 @@ def suffix_proposal(tokens: list[int], confidences: list[float], vocab_size: int
 
 def suffix_drafter(section: Any, vocab_size: int, device: torch.device | str = "cpu",
                    responses: Iterable[Sequence[int]] = ()) -> SuffixDrafter:
-    """A ``SuffixDrafter`` as a config section's ``suffix_*`` keys set it (eval's and serve's),
-    its global tree holding ``responses`` first (the target's own rollouts: the oldest, so the
-    first to go when requests' responses fill the tree)."""
+    """A ``SuffixDrafter`` as a config section's ``suffix_*`` keys set it (eval's and serve's), its
+    global tree starting with ``responses`` (the oldest: the first out when requests' fill it)."""
     drafter = SuffixDrafter(vocab_size, section.suffix_num_speculative_tokens, section.suffix_max_tree_depth,
                             section.suffix_max_spec_factor, section.suffix_min_token_prob,
                             max_cached_responses=section.suffix_max_cached_responses, device=device)
