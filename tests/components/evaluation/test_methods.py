@@ -134,7 +134,7 @@ def test_suffix_and_hybrid_as_served_are_lossless_and_learn_each_prompt_once(tin
     does not learn on its own), so a prompt run again is never drafted from its own answer."""
     built = []
     real = methods_module.suffix_drafter
-    monkeypatch.setattr(methods_module, "suffix_drafter", lambda *a: built.append(real(*a)) or built[-1])
+    monkeypatch.setattr(methods_module, "suffix_drafter", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     drafter = _dspark(tiny_target) if method == "hybrid_adaptive" else None
     ctx = _ctx(tiny_target, drafter, methods=["target_only", method], suffix_num_speculative_tokens=4,
                suffix_max_tree_depth=16, profile_dir=str(tmp_path), loop_stages=2)
