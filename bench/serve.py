@@ -248,7 +248,7 @@ def start_server(args: argparse.Namespace, top: int) -> str:
                      adaptive=not args.no_adaptive, torch_threads=args.threads, cpus_per_replica=1.0,
                      prefill_threads=args.prefill_threads,
                      loop_stages=args.loop_stages, drafter=args.method,
-                     suffix_rollouts=str(Path(args.rollouts).resolve()) if args.rollouts != "none" else "none")
+                     suffix_rollouts=args.rollouts)  # a path field: made absolute by the config
     init_ray(RayConfig())
     source = DrafterSource(str(Path(args.drafter).resolve()) if args.drafter else None, "bench",
                            method="model" if args.method == "auto" else args.method)

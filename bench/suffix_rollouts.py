@@ -71,6 +71,7 @@ def main() -> None:
         clock = time.perf_counter()
         drafters = {"suffix, empty tree": suffix_drafter(ev, target.vocab_size),
                     "suffix, from rollouts": suffix_drafter(ev, target.vocab_size, responses=responses)}
+        engines = {label: SpeculativeEngine(fast, drafter) for label, drafter in drafters.items()}
         fill_s += time.perf_counter() - clock
         for p in prompts:
             ids, name = list(p.input_ids), prompt_set(p.prompt_id)
@@ -79,7 +80,7 @@ def main() -> None:
             passes["plain", name] += ref.target_forwards
             tokens[name] += len(ref.tokens)
             for label, drafter in drafters.items():
-                out = SpeculativeEngine(fast, drafter).generate(ids, args.new_tokens, GREEDY, p.seed)
+                out = engines[label].generate(ids, args.new_tokens, GREEDY, p.seed)
                 if out.tokens != ref.tokens:
                     raise SystemExit(f"{p.prompt_id}: {label}: output differs from plain decoding's")
                 clock = time.perf_counter()

@@ -262,7 +262,6 @@ def read_records(data_dir: Path, expect: RecordMeta | None = None, verify: bool 
         yield from read_shard(path, expect)
 
 
-
 def read_responses(data_dir: Path, tokenizer_hash: str | None = None) -> Iterator[list[int]]:
     """The response token ids of every record the manifest lists (each maximal run of
     loss-masked tokens, in record order), reading only the id and mask columns, not the hidden

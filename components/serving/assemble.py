@@ -80,8 +80,9 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
     drafter, family = _served(source, sc, model, target)
     notes: list[str] = []
     target = step_target(target, target_cfg, taps=drafter.layer_ids if drafter is not None else (), lines=notes.append)
+    prefill_threads = sc.torch_threads  # transformers' forward prefills as it decodes
     if target.batch_cache == "slots" and sc.prefill_threads:  # the fast step: prompts on more cores
-        target.prefill_threads = sc.prefill_threads
+        target.prefill_threads = prefill_threads = sc.prefill_threads
     if model is not None:  # the drafter's own linears (the target's it shares are left to the step)
         stream_linears(target, target_cfg, modules=[model], keep_target=True)
     stages = _loop_stages(sc, drafter)
@@ -95,7 +96,7 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
                 "tree_budget": drafting.tree_budget, "tree_builder": sc.tree_builder, "sampled_rule": sc.sampled_rule,
                 "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
                 "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
-                "torch_threads": sc.torch_threads, "prefill_threads": (sc.prefill_threads or sc.torch_threads) if target.batch_cache == "slots" else sc.torch_threads,
+                "torch_threads": sc.torch_threads, "prefill_threads": prefill_threads,
                 "target_step": notes[-1] if notes else "",
                 "suffix_rollouts": sc.suffix_rollouts if family.startswith(("suffix", "hybrid")) else None}
     adapts = sc.adaptive and guarded is not None
