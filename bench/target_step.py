@@ -3,7 +3,7 @@
 step (``fast``: static slab + our weight-streaming kernel) reading float32 panels
 (``target.step_weights: float32``) and reading the checkpoint's own Q4_1 / Q8_0 blocks
 (``auto``; and through the kernel built for each other instruction set the CPU runs, e.g. AVX2
-beside AVX-512), beside the floor measured in the same run: the seconds a pass needs to read every
+beside AVX-512, and with the AVX-512 build's other Q4_1 decoding), beside the floor measured in the same run: the seconds a pass needs to read every
 weight once, taken from a sum over a tensor of the bytes each reads (the bandwidth one pass can
 use at that thread count).
 
@@ -37,7 +37,7 @@ from components.config import SMOLLM2_TARGET, TargetConfig
 from components.engine.core import crop_cache
 from components.target import load_target
 from components.target.fast import StepTarget, kernel_gemm, step_target
-from components.target.kernels import RowsGemm, isas
+from components.target.kernels import Q41_DECODES, RowsGemm, isas
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"SmolLM2-135M: {weight_bytes / 1e6:.0f} MB of float32 weights; a pass reads {read_bytes['fast'] / 1e6:.0f} MB "
           f"as float32 panels, {read_bytes['blocks'] / 1e6:.0f} MB as the checkpoint's blocks "
           f"({', '.join(steps['blocks'].weight_formats)}); context {args.context}, {args.reps} reps, medians; "
-          f"torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}, kernel {best.isa}"
+          f"torch {torch.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}, kernel {best.isa}{f' ({best.q41} Q4_1)' if best.isa == 'avx512' else ''}"
           f"{''.join(f', blocks {isa} beside it' for isa in others)}\n")
     print("| threads | floor ms f32 / blocks (GB/s) | k | GFLOP | arithmetic ms at the FMA peak (GFLOP/s; sgemm's) | hf ms | "
           "fast ms | blocks ms | " + "".join(f"blocks {isa} ms | " for isa in others) + "fast / floor | blocks / its floor | "
@@ -120,15 +120,17 @@ def main(argv: list[str] | None = None) -> None:
 
 def _steps(hf: Any, cfg: TargetConfig) -> tuple[dict[str, StepTarget], RowsGemm, list[str]]:
     """(the fast steps timed, by name: float32 panels, the checkpoint's blocks, and the blocks through
-    the kernels of the CPU's other ISAs; the blocks' kernel; those other ISAs)."""
+    the kernels of the CPU's other ISAs and Q4_1 decodings; the blocks' kernel; those variants)."""
     steps = {"fast": step_target(hf, dataclasses.replace(cfg, step_weights="float32")), "blocks": step_target(hf, cfg)}
     assert all(isinstance(t, StepTarget) for t in steps.values()) and steps["blocks"].weight_formats != ("f32",)
     best = steps["blocks"].decoder.kernels
-    others = [isa for isa in isas() if isa != best.isa]
-    for isa in others:
-        kernel = RowsGemm.build(Path(cfg.cache_dir) / "kernels", isa)
-        steps[f"blocks {isa}"] = StepTarget(hf, (), cfg.static_len, kernel_gemm(hf, cfg, kernel), kernel)
-    return steps, best, others
+    variants = [(isa, isa, "convert") for isa in isas() if isa != best.isa]
+    if best.isa == "avx512":
+        variants = [(f"{best.isa} {q41}", best.isa, q41) for q41 in Q41_DECODES if q41 != best.q41] + variants
+    for label, isa, q41 in variants:
+        kernel = RowsGemm.build(Path(cfg.cache_dir) / "kernels", isa, q41)
+        steps[f"blocks {label}"] = StepTarget(hf, (), cfg.static_len, kernel_gemm(hf, cfg, kernel), kernel)
+    return steps, best, [label for label, _, _ in variants]
 
 
 def _bytes_read(target: StepTarget) -> int:

@@ -50,6 +50,10 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # per instruction set: the flags that add to FLAGS (avx512: rows_gemm_512.c's packed products in
 # place of the AVX2 ones); an AVX512 CPU (torch's name: AVX-512 F/BW/VL/DQ) can run either
 ISA_FLAGS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DROWS_GEMM_AVX512")}
+# AVX-512 only: how a Q4_1 weight becomes a float (rows_gemm_512.c): "permute" (a lookup in a table of
+# 0..15: fewer instructions, measured faster on an Intel Xeon, docs/results.md) or "convert" (mask
+# and convert, what the AMD EPYC host was tuned with); by the CPU's declared vendor (q41_decode)
+Q41_DECODES = {"convert": (), "permute": ("-DQ41_PERMUTE",)}
 CPU_ISAS = {"AVX2": ("avx2",), "AVX512": ("avx512", "avx2")}  # torch's CPU capability → ISAs it runs, best first
 VECTOR_CPUS = tuple(CPU_ISAS)  # torch's names for CPUs with AVX2 and FMA
 
@@ -66,6 +70,21 @@ def isas() -> tuple[str, ...]:
     """The instruction sets the kernel can be built for on this CPU, as declared by torch's CPU
     capability, best first (empty where none)."""
     return CPU_ISAS.get(torch.backends.cpu.get_cpu_capability(), ())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as it declares it (Linux's ``/proc/cpuinfo``: GenuineIntel, AuthenticAMD),
+    or "" where it is not declared there."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+def q41_decode(isa: str) -> str:
+    """How the ``isa`` build turns Q4_1 weights into floats (``Q41_DECODES``) on this CPU."""
+    return "permute" if isa == "avx512" and cpu_vendor() == "GenuineIntel" else "convert"
 
 
 def why_unavailable() -> str | None:
@@ -139,6 +158,7 @@ class RowsGemm:
 
     def __init__(self, lib: ctypes.CDLL, path: Path, isa: str = "avx2"):
         self.path, self.isa = path, isa
+        self.q41 = "convert"  # its Q4_1 decoding (Q41_DECODES), set by build
         self.nibbles = "words" if isa == "avx512" else "rows"  # the Q4_1 layout it reads (blocks.pack_panels)
         gemm_args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fn, self._packed, self._pack = lib.rows_gemm, lib.rows_gemm_packed, lib.rows_gemm_pack
@@ -157,16 +177,22 @@ class RowsGemm:
         self._layer.restype = None
 
     @classmethod
-    def build(cls, directory: Path, isa: str | None = None) -> RowsGemm:
-        """Compiled for ``isa`` (default: the best this CPU declares, ``isas()``) into ``directory``."""
+    def build(cls, directory: Path, isa: str | None = None, q41: str | None = None) -> RowsGemm:
+        """Compiled for ``isa`` (default: the best this CPU declares, ``isas()``) into ``directory``;
+        ``q41``: the AVX-512 build's Q4_1 decoding (``Q41_DECODES``; default ``q41_decode(isa)``)."""
         why = why_unavailable()
         if why:
             raise KernelUnavailable(why)
         isa = isa or isas()[0]
         if isa not in isas():
             raise KernelUnavailable(f"the CPU offers {torch.backends.cpu.get_cpu_capability()}, not {isa}")
-        path = build_library(directory, f"rows_gemm-{isa}", SOURCES, FLAGS + ISA_FLAGS[isa])
-        return cls(ctypes.CDLL(str(path)), path, isa)
+        q41 = q41 or q41_decode(isa)
+        if q41 not in Q41_DECODES or (q41 != "convert" and isa != "avx512"):
+            raise ValueError(f"rows_gemm: no Q4_1 decoding {q41!r} for {isa} (one of {sorted(Q41_DECODES)}, AVX-512 only)")
+        path = build_library(directory, f"rows_gemm-{isa}", SOURCES, FLAGS + ISA_FLAGS[isa] + Q41_DECODES[q41])
+        kernel = cls(ctypes.CDLL(str(path)), path, isa)
+        kernel.q41 = q41
+        return kernel
 
     def fma_rate(self, threads: int = 1, seconds: float = 0.2) -> float:
         """GFLOP/s of this build's vector FMAs on ``threads`` threads (independent chains, no

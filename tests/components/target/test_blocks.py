@@ -24,7 +24,7 @@ from components.target.blocks import (
 )
 from components.target.fast import StepTarget, step_target
 from components.target.hf import TargetError
-from components.target.kernels import BLOCK_ROWS, RowsGemm, isas, why_unavailable
+from components.target.kernels import BLOCK_ROWS, Q41_DECODES, RowsGemm, isas, q41_decode, why_unavailable
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
 
 gguf = pytest.importorskip("gguf")
@@ -118,14 +118,15 @@ def test_find_refuses_what_it_cannot_reproduce(index, weights):
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("isa, q41", [(isa, q41) for isa in isas() for q41 in Q41_DECODES if isa == "avx512" or q41 == "convert"])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("k", [64, 96])
-def test_block_products_equal_the_float32_kernels(tmp_path_factory, isa, fmt, k):
+def test_block_products_equal_the_float32_kernels(tmp_path_factory, isa, q41, fmt, k):
     """With the decoded weights: bit for bit where the tiles sum in the float32 kernel's order
-    (AVX2: 1 and 4..6 rows; AVX-512: every row count), else within float32 rounding; 45 and 77
-    weight rows (not multiples of 16)."""
-    kernel = RowsGemm.build(tmp_path_factory.mktemp("kernels"), isa)
+    (AVX2: 1 and 4..6 rows; AVX-512: every row count, either Q4_1 decoding), else within float32
+    rounding; 45 and 77 weight rows (not multiples of 16)."""
+    kernel = RowsGemm.build(tmp_path_factory.mktemp("kernels"), isa, q41)
+    assert kernel.q41 == q41
     same_order = range(1, 18) if isa == "avx512" else (1, 4, 5, 6)
     gen = torch.Generator().manual_seed(k)
     for n in (45, 77):
@@ -146,6 +147,14 @@ def test_block_products_equal_the_float32_kernels(tmp_path_factory, isa, fmt, k)
                 torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-4)
                 if rows > BLOCK_ROWS:  # longer passes read the float32 panels
                     assert torch.equal(kernel.linear(x, packed, threads), want)
+
+
+@needs_kernel
+def test_q41_decoding_is_chosen_by_the_declared_cpu(tmp_path):
+    """The AVX2 build has one Q4_1 decoding; asking it for another is a clear error."""
+    assert q41_decode("avx2") == "convert" and q41_decode("avx512") in Q41_DECODES
+    with pytest.raises(ValueError, match="AVX-512 only"):
+        RowsGemm.build(tmp_path, "avx2", "permute")
 
 
 def test_quantize_q8_0_rounds_each_weight_to_its_blocks_grid(weights):
