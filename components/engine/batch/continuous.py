@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -276,9 +277,7 @@ class BatchEngine:
                 drafts = empty.view(len(idx), 0)
                 lens = torch.zeros(len(idx), dtype=torch.long, device=dev)
             else:
-                drafts = torch.nn.utils.rnn.pad_sequence(  # [R, G'] (padding never read past a row's length)
-                    [rows[b].drafts[0] if rows[b].drafts is not None else empty for b in idx], batch_first=True)
-                lens = torch.tensor([rows[b].num_drafts for b in idx], dtype=torch.long, device=dev)
+                drafts, lens = _padded([rows[b].drafts for b in idx], dev)
             res = rule.verify_rows(drafts, lens, mine[:, :drafts.shape[1] + 1])
             for j, (b, a) in enumerate(zip(idx, res.num_accepted.tolist())):
                 verdicts[b] = (a, res.next_token[j:j + 1])
@@ -294,3 +293,19 @@ class BatchEngine:
         positions = torch.arange(start, start + g + 1, device=dev)[None, :]
         res = row.rule.verify(row.drafts, logits[:, :g + 1], row.proposal, positions, row.rnd)
         return int(res.num_accepted[0]), res.next_token
+
+
+def _padded(drafts: list[Tensor | None], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Rows' drafts ([1, g] each, or None for a plain row) → drafts [R, G] long (padding never read
+    past a row's length), lengths [R] long; built in numpy on a CPU (torch's small ops cost more
+    than the verification they feed)."""
+    lens = [0 if d is None else d.shape[1] for d in drafts]
+    if device.type != "cpu":
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return (torch.nn.utils.rnn.pad_sequence([empty if d is None else d[0] for d in drafts], batch_first=True),
+                torch.tensor(lens, dtype=torch.long, device=device))
+    out = np.zeros((len(drafts), max(lens)), dtype=np.int64)
+    for r, d in enumerate(drafts):
+        if d is not None:
+            out[r, :d.shape[1]] = d[0].numpy()
+    return torch.from_numpy(out), torch.from_numpy(np.asarray(lens, dtype=np.int64))

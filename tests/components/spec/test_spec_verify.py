@@ -185,3 +185,21 @@ def test_rows_without_drafts_take_the_targets_choice():
     one = verify_greedy(torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, dtype=torch.long),
                         torch.cat([logits, logits, logits], dim=1))  # drafts padded, none real
     assert torch.equal(one.next_token, res.next_token) and one.num_accepted.tolist() == [0, 0, 0]
+
+
+def test_match_prefix_numpy_path_equals_torch_ops():
+    """On CPU tensors prefix matching runs in numpy; every field equals the torch-op path's, over
+    ragged lengths (0..γ), full matches, mismatches at every slot and a γ of 1."""
+    from components.spec.verify import _match_prefix_numpy, _match_prefix_torch
+
+    gen = torch.Generator().manual_seed(3)
+    for gamma in (1, 2, 5):
+        target = torch.randint(0, 3, (400, gamma + 1), generator=gen)
+        drafts = torch.where(torch.rand(400, gamma, generator=gen) < 0.7, target[:, :gamma],
+                             torch.randint(0, 3, (400, gamma), generator=gen))
+        lens = torch.randint(0, gamma + 1, (400,), generator=gen)
+        got, want = _match_prefix_numpy(drafts, lens, target), _match_prefix_torch(drafts, lens, target)
+        for field in ("num_accepted", "next_token", "accepted"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (gamma, field)
+            assert getattr(got, field).dtype == getattr(want, field).dtype
+        assert {int(n) for n in got.num_accepted} == set(range(gamma + 1))  # every outcome reached
