@@ -24,7 +24,14 @@ from components.target.blocks import (
 )
 from components.target.fast import StepTarget, step_target
 from components.target.hf import TargetError
-from components.target.kernels import BLOCK_ROWS, Q41_DECODES, RowsGemm, isas, q41_decode, why_unavailable
+from components.target.kernels import (
+    BLOCK_ROWS,
+    Q41_DECODES,
+    RowsGemm,
+    isas,
+    q41_decode,
+    why_unavailable,
+)
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
 
 gguf = pytest.importorskip("gguf")
