@@ -136,13 +136,40 @@ def warm_up_steps(replica: Replica, sc: ServeConfig) -> list[tuple[str, Callable
     return [("round profile", lambda: adapt(replica.parts, sc))]
 
 
+def on_a_thread_of_its_own(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on a new thread that ends when it returns (its exception re-raised here).
+
+    The kernels' OpenMP runtime (libgomp) keeps a team of worker threads for every thread that
+    ran a parallel region, for as long as that thread lives; once a process holds more of them
+    than CPUs, every worker sleeps between regions (libgomp's throttled spin) and each of a
+    decode pass's few hundred regions pays a wake-up: a replica decoding on two threads ran its
+    passes at half the speed (docs/results.md). Building the engine packs weights on torch's
+    thread count, and a replica's constructor runs on the actor's thread, which lives as long as
+    the replica; on a thread of its own the build leaves no team behind, and the engine thread's
+    is the only one."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args)
+        except BaseException as err:  # noqa: BLE001  (re-raised on the caller's thread)
+            out["error"] = err
+
+    thread = threading.Thread(target=run, name="specline-build", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 class Server:
     """One Serve replica: a target + drafter engine and the handler of each route (``new_api``
     binds them to paths; Serve builds that app in the replica, ``__serve_build_asgi_app__``)."""
 
     def __init__(self, cfg: SpeclineConfig, target_path: str, source: DrafterSource, api_key: str | None):
         self.model, self.source, self.api_key, self.sc = model_id(cfg), source, api_key, cfg.serve
-        self.replica = build_replica(cfg, target_path, source, self.model)
+        self.replica = on_a_thread_of_its_own(build_replica, cfg, target_path, source, self.model)
         threading.Thread(target=self.warm_up, name="specline-warm-up", daemon=True).start()
 
     def __serve_build_asgi_app__(self) -> Any:

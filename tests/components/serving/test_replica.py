@@ -14,7 +14,7 @@ import pytest
 
 from components.config import ConfigError, ServeConfig
 from components.engine.adaptive.profile import profile_key
-from components.serving.app import served_for, warm_up_steps
+from components.serving.app import on_a_thread_of_its_own, served_for, warm_up_steps
 from components.serving.assemble import build_parts
 from components.serving.protocol import APIError, parse_request
 from components.serving.provenance import DrafterSource
@@ -332,3 +332,20 @@ def test_models_reports_the_prefill_threads_the_target_uses(tiny_target_cfg, tin
 def test_suffix_with_carryover_is_a_config_error(tiny_target_cfg, tiny_target_build):
     with pytest.raises(ConfigError, match="serve.carryover: suffix decoding"):
         make_parts(tiny_target_cfg, tiny_target_build, None, method="suffix", carryover=True)
+
+
+def test_the_replica_is_built_on_a_thread_that_ends():
+    """The constructor's build runs on a thread of its own (its OpenMP team dies with it): the
+    value comes back, an exception is raised on the caller's thread, and the thread is gone."""
+    import threading
+
+    seen: list[threading.Thread] = []
+
+    def build(x: int) -> int:
+        seen.append(threading.current_thread())
+        return x + 1
+
+    assert on_a_thread_of_its_own(build, 41) == 42
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    with pytest.raises(ConfigError, match="bad field"):
+        on_a_thread_of_its_own(lambda: (_ for _ in ()).throw(ConfigError("bad field")))
