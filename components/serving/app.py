@@ -52,6 +52,7 @@ internals.
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -147,20 +148,8 @@ def on_a_thread_of_its_own(fn: Callable[..., Any], *args: Any) -> Any:
     thread count, and a replica's constructor runs on the actor's thread, which lives as long as
     the replica; on a thread of its own the build leaves no team behind, and the engine thread's
     is the only one."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn(*args)
-        except BaseException as err:  # noqa: BLE001  (re-raised on the caller's thread)
-            out["error"] = err
-
-    thread = threading.Thread(target=run, name="specline-build", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    with ThreadPoolExecutor(1, thread_name_prefix="specline-build") as pool:  # its exit joins the thread
+        return pool.submit(fn, *args).result()
 
 
 class Server:

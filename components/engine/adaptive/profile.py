@@ -51,6 +51,7 @@ from components.engine.batch.state import Request
 from components.engine.core import sync_device
 from components.engine.settings import EngineSettings, resolve_settings
 from components.spec.cost import ProfileTable
+from components.target.kernels import cpuinfo
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 DEFAULT_PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -186,12 +187,7 @@ def host_processor(device: Any) -> str:
     VM moved to other hardware) must not hand one machine's times to another."""
     if getattr(device, "type", str(device)) == "cuda":
         return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
+    name = cpuinfo("model name") or platform.processor() or platform.machine()
     return f"{name} x {os.cpu_count()}"
 
 

@@ -72,19 +72,19 @@ def isas() -> tuple[str, ...]:
     return CPU_ISAS.get(torch.backends.cpu.get_cpu_capability(), ())
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor as it declares it (Linux's ``/proc/cpuinfo``: GenuineIntel, AuthenticAMD),
-    or "" where it is not declared there."""
+def cpuinfo(field: str) -> str | None:
+    """What the CPU declares under ``field`` in Linux's ``/proc/cpuinfo`` (its first processor:
+    ``vendor_id`` GenuineIntel / AuthenticAMD, ``model name``), or None where it declares none."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), None)
     except OSError:
-        return ""
+        return None
 
 
 def q41_decode(isa: str) -> str:
     """How the ``isa`` build turns Q4_1 weights into floats (``Q41_DECODES``) on this CPU."""
-    return "permute" if isa == "avx512" and cpu_vendor() == "GenuineIntel" else "convert"
+    return "permute" if isa == "avx512" and cpuinfo("vendor_id") == "GenuineIntel" else "convert"
 
 
 def why_unavailable() -> str | None:
@@ -156,9 +156,8 @@ class RowsGemm:
     and ``w`` [N, K] (or ``pack(w)``, much faster for 2+ rows) on the CPU, on ``threads``
     threads (default: torch's)."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path, isa: str = "avx2"):
-        self.path, self.isa = path, isa
-        self.q41 = "convert"  # its Q4_1 decoding (Q41_DECODES), set by build
+    def __init__(self, lib: ctypes.CDLL, path: Path, isa: str = "avx2", q41: str = "convert"):
+        self.path, self.isa, self.q41 = path, isa, q41  # q41: its Q4_1 decoding (Q41_DECODES)
         self.nibbles = "words" if isa == "avx512" else "rows"  # the Q4_1 layout it reads (blocks.pack_panels)
         gemm_args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fn, self._packed, self._pack = lib.rows_gemm, lib.rows_gemm_packed, lib.rows_gemm_pack
@@ -190,9 +189,7 @@ class RowsGemm:
         if q41 not in Q41_DECODES or (q41 != "convert" and isa != "avx512"):
             raise ValueError(f"rows_gemm: no Q4_1 decoding {q41!r} for {isa} (one of {sorted(Q41_DECODES)}, AVX-512 only)")
         path = build_library(directory, f"rows_gemm-{isa}", SOURCES, FLAGS + ISA_FLAGS[isa] + Q41_DECODES[q41])
-        kernel = cls(ctypes.CDLL(str(path)), path, isa)
-        kernel.q41 = q41
-        return kernel
+        return cls(ctypes.CDLL(str(path)), path, isa, q41)
 
     def fma_rate(self, threads: int = 1, seconds: float = 0.2) -> float:
         """GFLOP/s of this build's vector FMAs on ``threads`` threads (independent chains, no

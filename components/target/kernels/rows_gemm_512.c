@@ -40,7 +40,7 @@
     Q41_TABLE
 /* k = kk + i: bits 4i of the words of its group of 8, shifted in place, then turned into floats
  * in one of two ways (the same values, so the same products):
- *  - Q41_PERMUTE (Intel cores: kernels.ISA_FLAGS): q picked out of the float table 0..15 by a
+ *  - Q41_PERMUTE (Intel cores: kernels.Q41_DECODES): q picked out of the float table 0..15 by a
  *    cross-lane permute, which reads only the index's low 4 bits, so no mask and no conversion:
  *    4 vector instructions a line instead of 5, on cores whose 512-bit units are two ports;
  *  - else masked and converted: no shuffles (a Zen core runs few of those a cycle). */
