@@ -14,6 +14,7 @@
 * ``model_free`` -- oracle, target-as-drafter and prompt-lookup drafters behind the same protocol;
 * ``suffix``     -- suffix decoding (SuffixDecoding): a model-free drafter over suffix trees of the
   request and of earlier responses (``SuffixDrafter.observe``);
+* ``suffix_tree`` -- ``SuffixTree``: the depth-limited suffix trie those trees are, exact counts;
 * ``match_calibration`` -- how often a suffix draft read after a match of each length is right,
   learned from the ids requests commit (the confidences the adaptive cap reads);
 * ``hybrid``     -- ``HybridDrafter``: per request and round, the suffix draft when its score

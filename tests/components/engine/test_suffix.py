@@ -84,6 +84,7 @@ def assert_exact(tree: SuffixTree, seqs: list[list[int]]) -> None:
     for x, n in counts.items():
         assert tree.count(x) == n, x
         assert tree.next_counts(tree.find(x)) == brute_next(seqs, list(x), tree.max_depth), x
+        assert tree.goes_on(tree.find(x)) == bool(brute_next(seqs, list(x), tree.max_depth)), x
     absent = [(v,) for v in range(6) if (v,) not in counts] + [x + (9,) for x in list(counts)[:5]]
     assert all(tree.find(x) is None and tree.count(x) == 0 for x in absent)
 
@@ -381,6 +382,36 @@ def test_the_preview_is_what_propose_gives_once_the_deferred_ids_are_consumed(se
         assert_exact(tree, [after.tokens])
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_propose_after_a_preview_drafts_what_it_drafts_without_one(seed):
+    """``propose`` reuses the candidate its preview read where that is the one it would read
+    itself (the same ids, last token and trees, γ from the draft's length up to the preview's),
+    else reads again: at every γ, and after a response observed in between, the draft and its
+    confidences equal a twin drafter's that never previewed."""
+    rng = random.Random(seed)
+    for _ in range(30):
+        gamma, prob = rng.randint(1, 4), rng.choice([0.0, 0.3])
+        pair = [SuffixDrafter(5, gamma, 10, min_token_prob=prob) for _ in range(2)]
+        history = [random_seq(rng, 4, 15) for _ in range(rng.randint(0, 2))]
+        ids, deferred, last = random_seq(rng, 4, 12) + [0], random_seq(rng, 4, 6), rng.randrange(4)
+        ask, late = rng.randint(1, gamma), random_seq(rng, 4, 8) if rng.random() < 0.3 else None
+        props = []
+        for previews, drafter in zip((True, False), pair):
+            for seq in history:
+                drafter.observe(seq)
+            state = _state(drafter, ids)
+            if previews:
+                drafter.preview(state, torch.tensor([deferred + [last]]))
+            after = drafter.consume(state, torch.tensor([deferred]), None) if deferred else state
+            if late is not None:
+                drafter.observe(late)
+            props.append(drafter.propose(after, torch.tensor([last]), num_speculative_tokens=ask))
+        assert torch.equal(props[0].tokens, props[1].tokens)
+        assert (props[0].confidences is None) == (props[1].confidences is None)
+        if props[0].confidences is not None:
+            assert torch.equal(props[0].confidences, props[1].confidences)
+
+
 class CountingSuffix(SuffixDrafter):
     """Suffix decoding counting its ``propose`` calls and the previews that promised no draft."""
 
@@ -402,7 +433,7 @@ class SurvivalCap:
     """A draft-length policy (the policy's interface) that records each round's survival
     estimate and drafts exactly as far as it is non-zero."""
 
-    adapts, calibrate = True, False
+    adapts, calibrate, row_lengths = True, False, None
 
     def __init__(self):
         self.seen: list[torch.Tensor] = []
