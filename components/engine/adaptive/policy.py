@@ -2,7 +2,8 @@
 
 The batch engine verifies every row in one pass; the adaptive policy picks one cap G per round,
 before drafting, maximising expected tokens per second (the objective of DSpark's scheduler,
-Cheng et al. 2026, Algorithm 1, with one cap where DSpark admits a length per request)::
+Cheng et al. 2026, Algorithm 1: one cap for the round, and on a ragged pass a length of its
+own per row under it, as DSpark admits a length per request; "Per row" below)::
 
     E[tokens](G) = Σ_b (1 + Σ_{k≤G} a_{b,k})            a_{b,k}: P(first k drafts of b accepted)
     time(G)      = s·T(B·(1+w(G))) + o + [G > 0]·t_draft  T: profiled target forward time
@@ -25,6 +26,15 @@ seen so far (per draft position, over all requests). Draft time t_draft, the tab
 (measured forward / T) and the per-round overhead o (cache bookkeeping, the drafter consuming
 the verified states, Python) are running means of what the engine measured; o matters because
 plain decoding pays it once per token.
+
+Per row. A pass of ragged rows (``ragged``) charges each row for its own drafts, so a row
+drafts only what pays on its own: its k-th draft costs (T(B, k) − T(B, k−1)) / B seconds, the
+tokens a plain round would have made in that time are its price, and the row drafts the length
+ℓ_b ≤ L_b maximising Σ_{k≤ℓ} (a_{b,k} − price_k) — none where no length gains. In a large
+batch, where a draft's slot costs a good share of a plain token, a row whose suffix match is
+unsure stays plain while a confident one drafts; the cap is then chosen over those
+lengths (``row_lengths`` after ``cap``: min(G, ℓ_b)). A try of the drafting side (below)
+drafts every row as far as it can, so its time and tokens are learnt as the model prices them.
 
 Draining (``remaining`` given: no request waits to join the batch) the batch's time is that of
 its row to finish last, not its tokens per second: plain rounds take every row forward by one
@@ -99,6 +109,7 @@ class DraftLengthPolicy(Protocol):
 
     adapts: bool
     calibrate: bool
+    row_lengths: list[int] | None  # after ``cap``: each row's drafts this round (None: the cap for every row)
 
     def empirical_survival(self, max_cap: int) -> Tensor: ...
 
@@ -113,6 +124,7 @@ class FixedDraftLength:
 
     adapts = False  # the batch engine asks for no estimate: the cap is max_cap
     calibrate = False  # no per-request survival estimates wanted
+    row_lengths = None  # every row drafts the cap
 
     def empirical_survival(self, max_cap: int) -> Tensor:  # [max_cap] unused: the cap is always max_cap
         return torch.ones(max_cap, dtype=torch.float64)
@@ -143,6 +155,7 @@ class AdaptiveDraftLength:
     accept_counts: list[float] = field(default_factory=list)  # per position: accepted
     reach_counts: list[float] = field(default_factory=list)  # per position: drafted and reached
     last_choice: int = -1
+    row_lengths: list[int] | None = None  # drafts per row of the last cap's round (``cap``)
     rounds_seen: int = 0
     adapts = True  # a class attribute: the cap is chosen per round
     calibrate: bool = True  # survival calibration and measured round times (module docstring)
@@ -199,21 +212,42 @@ class AdaptiveDraftLength:
         raw = _survival(survival[:, :max_cap])
         a = self.calibrated(raw)
         bsz = a.shape[0]
-        width = self._width(raw, max_cap)
+        previewed = (raw > 0).sum(axis=1)  # [B] L_b: the drafts each row can make
+        lengths = np.minimum(previewed, self._worth(a, self._priced(bsz, max_cap)))  # [B]
+        a = a * (np.arange(max_cap)[None, :] < lengths[:, None])  # no tokens from drafts not made
+        width = self._width(lengths, max_cap)
         if remaining is None:
             gained = np.concatenate([[0.0], np.cumsum(a.sum(axis=0))])  # [G+1]
             rates = (bsz + gained) / self._priced(bsz, max_cap, width)  # [G+1] tokens per second
         else:
             rates = 1.0 / self._drain_seconds(a, remaining, max_cap, width)  # [G+1] batches finished per second
         choice = self._explore(bsz, rates) if self.calibrate else int(rates.argmax())
+        probing = self._probe is not None and choice > 0 and int(rates.argmax()) == 0
+        # a try of drafting drafts what the rows can, so that its time and tokens are learnt
+        self.row_lengths = [min(choice, int(n)) for n in (previewed if probing else lengths)]
         self.last_choice = choice
         self._last = ((bsz, choice), raw)
         return choice
 
-    def _width(self, raw: NDArray, max_cap: int) -> NDArray:
-        """raw survival [B, max_cap] → [max_cap + 1] the pass's width w(G) in drafts per row
-        (module docstring): each row drafts min(G, L_b), L_b its survival's nonzero length."""
-        lengths = (raw > 0).sum(axis=1)  # [B]
+    def _worth(self, a: NDArray, priced: NDArray) -> NDArray:
+        """Calibrated survival [B, G], a round's seconds per cap with every row drafting it
+        [G+1] → [B] the drafts worth their slots in each row (module docstring: per row). On a
+        ragged pass, a row's k-th draft costs its own slot, (T(B, k) − T(B, k−1)) / B seconds,
+        which a plain round would spend on B / T(B, 0) tokens per second; the row drafts the
+        length ℓ that maximises Σ_{k≤ℓ} a_k − that cost in plain tokens (0 where none gains).
+        A padded pass is as wide as its longest row: a shorter row saves nothing, so it drafts
+        what it can."""
+        bsz, cap = a.shape
+        if not self.ragged or cap == 0:
+            return np.full(bsz, cap)
+        # (T(B, k) − T(B, k−1)) / B seconds at B / T(B, 0) tokens per second, in tokens
+        cost = np.maximum(np.diff(priced[:cap + 1]), 0.0) / max(float(priced[0]), 1e-12)  # [G]
+        net = np.cumsum(a - cost[None, :], axis=1)  # [B, G] tokens gained over plain decoding's
+        return np.where(net.max(axis=1) > 0, net.argmax(axis=1) + 1, 0)
+
+    def _width(self, lengths: NDArray, max_cap: int) -> NDArray:
+        """Drafts per row [B] → [max_cap + 1] the pass's width w(G) in drafts per row (module
+        docstring): each row drafts min(G, its length)."""
         drafted = np.minimum(np.arange(max_cap + 1)[None, :], lengths[:, None]).astype(np.float64)  # [B, G+1]
         return drafted.mean(axis=0) if self.ragged else drafted.max(axis=0)
 
@@ -256,7 +290,7 @@ class AdaptiveDraftLength:
         """model [G+1] → [G+1] a round's seconds at this batch size per cap: as measured, if it
         was played; else the model's, times its side's (plain or drafting) measured/model ratio
         in this bucket."""
-        bucket = _bucket(bsz)
+        bucket = batch_bucket(bsz)
         seconds = model.copy()
         seconds[0] *= self.corrections.get((bucket, False), 1.0)
         seconds[1:] *= self.corrections.get((bucket, True), 1.0)
@@ -273,7 +307,7 @@ class AdaptiveDraftLength:
         tokens are certain): with a profile (``round_time``) plain is never tried, only chosen;
         at a batch size where its time was measured, it is re-tried only every ``recheck``
         rounds."""
-        bucket, best = _bucket(bsz), int(rates.argmax())
+        bucket, best = batch_bucket(bsz), int(rates.argmax())
         if self._probe is not None and self._probe[0] == bucket:
             won = self._probe[1] == (best > 0)
             wait = self.backoff.get(self._probe, self.min_recheck)
@@ -340,7 +374,7 @@ class AdaptiveDraftLength:
         (tokens are calibrated by ``_count_hits``: a round's acceptance is far noisier than
         its time, so the two are corrected apart)."""
         (bsz, cap), _ = self._last
-        bucket = _bucket(bsz)
+        bucket = batch_bucket(bsz)
         side = (bucket, cap > 0)
         self.bucket_rounds[bucket] = self.bucket_rounds.get(bucket, 0) + 1
         self.tried[side] = self.bucket_rounds[bucket]
@@ -400,6 +434,6 @@ def _conditional(survival: NDArray) -> NDArray:
     return np.where(prev > 0, survival / np.maximum(prev, 1e-12), 0.0)
 
 
-def _bucket(batch_size: int) -> int:
+def batch_bucket(batch_size: int) -> int:
     """Batch sizes share corrections by power of two: 1, 2, 3-4, 5-8, ..."""
     return 1 << max(0, int(batch_size) - 1).bit_length()

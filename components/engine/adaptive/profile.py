@@ -10,7 +10,10 @@ pays at all; a policy that must learn them online spends its first rounds of eve
 drafting at a loss. So, as an inference server profiles its model before it takes traffic,
 ``profile_round_times`` runs the engine as configured on synthetic requests (random tokens, a
 ``context``-token prompt, greedy) and times ``rounds`` rounds per (B, G) after one warm-up,
-the caps interleaved, keeping the median, made non-increasing towards smaller caps.
+the caps interleaved, keeping the median, made non-increasing towards smaller caps. Each pass
+over the caps starts B fresh rows, so the rows' context stays near a served prompt's: a round
+reads every row's cache, and in a batch that reading grows with the context as the weights'
+does not.
 
 With DLoop stages the caps run to γ·stages; every cap of the first stage is timed, and past it
 only the ends of each stage (its first cap, which adds a drafting stage, and its last), the caps
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -55,6 +59,11 @@ from components.target.kernels import cpuinfo
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
 DEFAULT_PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROFILE_CONTEXT = 128  # prompt tokens of a profiled row: a short chat or code prompt
+PROMPT_PERIOD = 16  # tokens of the phrase a profiled prompt repeats
+# how rounds are timed, in the stored key: a change re-measures every stored profile (2: fresh
+# rows for each pass over the caps; the engine's own thread holds the only OpenMP team)
+PROFILE_METHOD = 2
 
 
 @torch.no_grad()
@@ -90,9 +99,11 @@ class _PinnedCap:
 
     adapts = True  # asked every round, as an adaptive policy is (the rounds timed are those it plays)
     calibrate = False
+    row_lengths = None  # every row drafts the cap
 
     def __init__(self) -> None:
         self.value = 0
+        self.drafted = 0
 
     def empirical_survival(self, max_cap: int) -> Tensor:
         return torch.ones(max_cap, dtype=torch.float64)
@@ -100,8 +111,8 @@ class _PinnedCap:
     def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int:
         return min(self.value, max_cap)
 
-    def observe(self, *args: Any, **kwargs: Any) -> None:
-        pass
+    def observe(self, accepted: list[int], drafted: list[int], *args: Any, **kwargs: Any) -> None:
+        self.drafted = sum(drafted)  # the round's drafts, over every row
 
 
 def profiled_caps(max_cap: int, gamma: int) -> list[int]:
@@ -109,6 +120,29 @@ def profiled_caps(max_cap: int, gamma: int) -> list[int]:
     gamma = max(1, min(int(gamma), int(max_cap)))
     later = {c for start in range(gamma + 1, max_cap + 1, gamma) for c in (start, min(start + gamma - 1, max_cap))}
     return sorted(set(range(gamma + 1)) | later)
+
+
+def _by_width(caps: list[int], samples: list[list[float]], widths: list[list[float]], max_cap: int) -> list[float]:
+    """Seconds for every cap 0..max_cap, priced as the policy reads them: cap G as a round whose
+    rows draft G each. Cap 0 is its median round; a drafting cap is placed at the width (drafts
+    per row) its rounds really verified (the median of each), since a drafter may draft less
+    than the cap (a suffix match shorter than it, a row it stopped following) and a row near its
+    end is cut; seconds are then read at every whole width, linear between the widths measured
+    and past the widest along the slope of them all. Without a drafting round (nothing drafted),
+    the caps' own medians (``_fill_caps``)."""
+    medians = {cap: statistics.median(x) for cap, x in zip(caps, samples)}
+    points: dict[float, list[float]] = {}
+    for cap, x, w in zip(caps, samples, widths):
+        width = statistics.median(w) if w else 0.0
+        if cap and width > 0:
+            points.setdefault(round(width, 3), []).append(statistics.median(x))
+    if 0 not in medians or not points:
+        return _fill_caps(medians, max_cap)
+    xs = [0.0, *sorted(points)]
+    ys = [medians[0], *(statistics.mean(points[w]) for w in xs[1:])]
+    slope = (ys[-1] - ys[1]) / (xs[-1] - xs[1]) if len(xs) > 2 else 0.0
+    return [medians[0]] + [float(np.interp(g, xs, ys)) if g <= xs[-1] else ys[-1] + slope * (g - xs[-1])
+                           for g in range(1, max_cap + 1)]
 
 
 def _fill_caps(measured: dict[int, float], max_cap: int) -> list[float]:
@@ -127,7 +161,7 @@ def _fill_caps(measured: dict[int, float], max_cap: int) -> list[float]:
 
 @torch.no_grad()
 def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                        settings: EngineSettings | None = None, context: int = 64, rounds: int = 4,
+                        settings: EngineSettings | None = None, context: int = PROFILE_CONTEXT, rounds: int = 4,
                         seed: int = 0) -> RoundTimes:
     """Median seconds of ``rounds`` engine rounds (after one warm-up) for every batch size in
     ``batch_sizes`` and every cap 0..γ·stages of ``drafter`` (past γ: ``profiled_caps``, the rest
@@ -142,32 +176,46 @@ def profile_round_times(target: Any, drafter: Any, batch_sizes: Sequence[int] = 
         pinned = _PinnedCap()
         engine = BatchEngine(target, drafter, max_batch_size=bsz, draft_length=pinned, settings=settings)
         caps = profiled_caps(settings.max_cap, settings.num_speculative_tokens)
-        budget = len(caps) * (rounds + 1) * (settings.max_cap + 1) + 2  # no request ends early
-        for _ in range(bsz):
-            prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
-            engine.add(Request(prompt, budget))
-        engine.step()  # admission (prefills) and a first round: not timed
+        budget = len(caps) * (settings.max_cap + 1) + 2  # no request ends early
         samples: list[list[float]] = [[] for _ in caps]
+        widths: list[list[float]] = [[] for _ in caps]  # drafts per row each timed round verified
         for rep in range(rounds + 1):  # caps interleaved: a slow spell of the host hits them all
-            for i, cap in enumerate(caps):
-                pinned.value = cap
+            # fresh rows each pass over the caps: the context stays near ``context`` tokens (a
+            # looping target's rows would otherwise grow by the cap every round, and a round's
+            # reading of the cache with them)
+            pinned.value = 0
+            for _ in range(bsz):
+                engine.add(Request(_looping_prompt(target.vocab_size, context, gen), budget))
+            engine.step()  # admission (prefills) and a first round: not timed
+            order = list(enumerate(caps))  # up, then down: no cap always meets the shortest context
+            for i, cap in order if rep % 2 else order[::-1]:
+                pinned.value, pinned.drafted = cap, 0
                 t0 = time.perf_counter()
                 engine.step()
                 if rep:  # the first pass warms every width up
                     samples[i].append(time.perf_counter() - t0)
-        row = _fill_caps({cap: statistics.median(x) for cap, x in zip(caps, samples)}, settings.max_cap)
-        for request_id in engine.running:
-            engine.cancel(request_id)
-        engine.step()
-        rows.append(row)
+                    widths[i].append(pinned.drafted / bsz)
+            for request_id in engine.running:
+                engine.cancel(request_id)
+            engine.step()
+        rows.append(_by_width(caps, samples, widths, settings.max_cap))
     # seconds(B, G) = min over G' ≥ G of the measured: a narrower cap never costs more than a
     # wider one, and a slow (cold, interrupted) measurement is not believed
     seconds = torch.tensor(rows, dtype=torch.float64).flip(1).cummin(dim=1).values.flip(1)
     return RoundTimes(sorted({int(b) for b in batch_sizes}), seconds)
 
 
+def _looping_prompt(vocab_size: int, context: int, gen: torch.Generator, period: int = PROMPT_PERIOD) -> list[int]:
+    """``context`` tokens: a random phrase of ``period`` tokens, repeated. A target continues a
+    repetition from its first token on, so drafters find and follow it at once, as they do the
+    repetitive parts of real traffic (code, quoted text), and the rounds timed verify drafts
+    that are accepted (holes, compactions and the drafter's consuming as in real rounds)."""
+    phrase = torch.randint(0, vocab_size, (period,), generator=gen)
+    return phrase.repeat(-(-context // period))[:context].tolist()
+
+
 def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], settings: EngineSettings,
-                context: int = 64, rounds: int = 4, seed: int = 0) -> dict[str, Any]:
+                context: int = PROFILE_CONTEXT, rounds: int = 4, seed: int = 0) -> dict[str, Any]:
     """What a stored profile was measured for: target and what runs its passes, drafter (its declared ``identity()`` and
     the largest cap), batch sizes, engine settings, how it was timed, device, dtype and threads.
     A profile is only reused for an equal key."""
@@ -175,7 +223,8 @@ def profile_key(target: Any, drafter: Any, batch_sizes: Sequence[int], settings:
             "forward": str(getattr(target, "forward_kind", type(target).__name__)),
             "drafter": f"{drafter.identity()}:{settings.max_cap}",
             "batch_sizes": sorted({int(b) for b in batch_sizes}),
-            "engine": settings.describe(), "timing": {"context": context, "rounds": rounds, "seed": seed},
+            "engine": settings.describe(),
+            "timing": {"context": context, "rounds": rounds, "seed": seed, "method": PROFILE_METHOD},
             "device": str(target.device), "host": host_processor(target.device), "dtype": str(target.dtype),
             "threads": torch.get_num_threads()}
 
@@ -206,7 +255,7 @@ class StoredProfile:
 def stored_round_times(profile_dir: str | Path, target: Any, drafter: Any,
                        batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                        notice: Callable[[Path], None] | None = None, settings: EngineSettings | None = None,
-                       context: int = 64, rounds: int = 4, seed: int = 0) -> StoredProfile:
+                       context: int = PROFILE_CONTEXT, rounds: int = 4, seed: int = 0) -> StoredProfile:
     """The profile of this setting kept under ``profile_dir``, one file per ``profile_key`` (a
     serving replica, the eval stage and the benches share them): read when its key matches,
     else measured by ``profile_round_times`` (``notice(path)`` called first: it takes a while)

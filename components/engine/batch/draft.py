@@ -22,7 +22,8 @@ the drafter consumes them when the row drafts again (``flush``), so cap-0 rounds
 plain decoding costs. A drafter declaring ``Capability.PREVIEWS`` (suffix decoding, the hybrid)
 tells, before the cap is picked, the confidences of the draft it will make (a lookup over the
 row's ids, deferred ones included), so an adaptive cap is priced on this round's own draft
-(draft-then-decide) rather than on the last round's.
+(draft-then-decide) rather than on the last round's; while the previews keep offering drafts
+that are not worth their slots (a large batch), they back off (``PreviewBackoff``).
 
 A drafter declaring ``Capability.TARGET_KV`` reads the target's own K/V: each drafting row's
 state is handed views of its row of the batch's cache (``core.attach_target_kv``; ``RaggedCache``
@@ -46,7 +47,7 @@ from torch import Tensor
 
 from components.drafters.base import Proposal
 from components.drafters.capabilities import Capability, has
-from components.engine.adaptive.policy import DraftLengthPolicy
+from components.engine.adaptive.policy import DraftLengthPolicy, batch_bucket
 from components.engine.adaptive.rows import round_cap
 from components.engine.batch.state import Row
 from components.engine.chain import draft_chain, num_drafts_for
@@ -74,6 +75,7 @@ class Drafting:
         self.caps: deque[int] = deque(maxlen=CAPS_KEPT)  # the cap chosen each of the last rounds
         self.capped_rounds = 0  # rounds that chose a cap, since the engine started
         self.defer_plain_updates = True  # plain rounds of speculating rows defer the drafter's update
+        self.backoff = PreviewBackoff()  # previews skipped while none is worth drafting
 
     # ------------------------------------------------------------------ drafting
     def draft(self, rows: list[Row], draining: bool, cache: Any = None) -> float:
@@ -83,14 +85,17 @@ class Drafting:
         for row in rows:  # last round's outcome, for the rows' own records
             if row.drafts is not None and row.result.accepted:
                 row.estimate.settle(row.num_drafts, row.result.accepted[-1])
-        if self.previews:
-            self._preview(rows)
-        cap = self._cap(rows, draining)
-        spent = self.flush([r for r in rows if r.pending and cap and r.speculates])
+        looks = self.previews and self.backoff.due(len(rows))
+        offered = self._preview(rows) if looks else 0
+        cap = self._cap(rows, draining) if looks or not self.previews else 0
+        lengths = self._lengths(rows, cap)  # [B] this round's drafts per row
+        if looks:
+            self.backoff.saw(len(rows), offered, any(lengths))
+        spent = self.flush([r for r, n in zip(rows, lengths) if r.pending and n])
         together: list[tuple[Row, int]] = []
         for b, row in enumerate(rows):
             # as the batch-1 round: at least one draft, overshoot cut (same randomness use)
-            num_drafts = num_drafts_for(cap, row.remaining) if row.speculates and cap else 0
+            num_drafts = num_drafts_for(lengths[b], row.remaining) if lengths[b] else 0
             row.proposal, row.drafts = None, None
             if num_drafts == 0:
                 continue
@@ -108,11 +113,12 @@ class Drafting:
             row.estimate.refresh(row.proposal.confidences if row.proposal is not None else None, self.policy.calibrate)
         return spent
 
-    def _preview(self, rows: list[Row]) -> None:
+    def _preview(self, rows: list[Row]) -> int:
         """Draft-then-decide: each speculating row's estimate from the confidences of the draft
         its drafter will make this round (``preview``, over the ids its plain rounds deferred and
-        the last token), zero past that draft's length; a row it cannot preview keeps its own."""
-        max_cap = self.settings.max_cap
+        the last token), zero past that draft's length; a row it cannot preview keeps its own.
+        Returns how many rows previewed a draft."""
+        max_cap, offered = self.settings.max_cap, 0
         for row in rows:
             if not row.speculates:
                 continue
@@ -122,6 +128,8 @@ class Drafting:
                 padded = torch.zeros(1, max_cap, dtype=torch.float64)
                 padded[:, :min(conf.shape[1], max_cap)] = conf[:, :max_cap].double().cpu()
                 row.estimate.refresh(padded, self.policy.calibrate)
+                offered += conf.shape[1] > 0
+        return offered
 
     def _draft_together(self, rows: list[tuple[Row, int]]) -> float:
         """Drafts of ``rows`` (row, num_drafts) in one ``propose_many`` call, each of its own
@@ -157,6 +165,13 @@ class Drafting:
         self.caps.append(cap)
         self.capped_rounds += 1
         return cap
+
+    def _lengths(self, rows: list[Row], cap: int) -> list[int]:
+        """Each row's drafts this round: the cap for a speculating row, or the policy's own
+        length for it where it gives one (``row_lengths``, over the speculating rows); 0 for
+        the others."""
+        per_row = iter(self.policy.row_lengths or []) if cap and self.policy.adapts else iter(())
+        return [min(cap, next(per_row, cap)) if row.speculates and cap else 0 for row in rows]
 
     # ------------------------------------------------------------------ drafter updates
     def flush(self, rows: list[Row]) -> float:
@@ -195,6 +210,41 @@ class Drafting:
         for b, new in zip(idx, news):
             states[b] = new
         return states
+
+
+class PreviewBackoff:
+    """When previews keep offering drafts that are not worth their slots (a large batch, where a
+    draft's slot costs most of what a plain token does), previewing every row every round costs
+    more than it finds: after ``quiet`` such rounds in a row, the next previews wait 1, 2, 4, …
+    rounds, at most ``longest``, and a round that drafts again resets it. Per batch-size bucket
+    (1, 2, 3-4, 5-8, ...). Rounds whose previews offer nothing (no match anywhere: prompt lookup
+    or suffix decoding between repeats) leave it as it was, so a small batch whose drafts pay
+    whenever there is one keeps looking every round. Skipped rounds are plain rounds."""
+
+    def __init__(self, quiet: int = 4, longest: int = 16):
+        self.quiet, self.longest = quiet, longest
+        self.streak: dict[int, int] = {}  # bucket -> rounds in a row offering drafts not worth drafting
+        self.wait: dict[int, int] = {}  # bucket -> rounds the last back-off skipped
+        self.skip: dict[int, int] = {}  # bucket -> rounds still to skip
+
+    def due(self, batch_size: int) -> bool:
+        """Whether this round previews (else it is skipped, and counted)."""
+        b = batch_bucket(batch_size)
+        if self.skip.get(b, 0) > 0:
+            self.skip[b] -= 1
+            return False
+        return True
+
+    def saw(self, batch_size: int, offered: int, drafts: bool) -> None:
+        """A previewing round: ``offered`` rows previewed a draft, ``drafts`` whether any drafts."""
+        b = batch_bucket(batch_size)
+        if drafts:
+            self.streak[b] = self.wait[b] = 0
+        elif offered:
+            self.streak[b] = self.streak.get(b, 0) + 1
+            if self.streak[b] >= self.quiet:
+                self.wait[b] = min(max(1, 2 * self.wait.get(b, 0)), self.longest)
+                self.skip[b] = self.wait[b]
 
 
 def _keep(row: Row, proposal: Proposal, drafts: Tensor) -> None:

@@ -188,7 +188,7 @@ def test_the_adaptive_engine_is_lossless(tiny_target, greedy_refs, tmp_path):
 class PinnedCap:
     """A draft-length policy that picks ``value`` every round (the policy's interface)."""
 
-    adapts, calibrate = True, False
+    adapts, calibrate, row_lengths = True, False, None
 
     def __init__(self, value: int):
         self.value = value

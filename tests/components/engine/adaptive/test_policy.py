@@ -3,6 +3,7 @@ that keeps speculation from running slower than plain decoding when the model is
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from components.engine.adaptive.policy import AdaptiveDraftLength, FixedDraftLength
@@ -231,7 +232,7 @@ def test_a_ragged_pass_prices_the_drafts_it_will_verify():
     # every row drafting fully: the width is the cap, ragged or not, and the choice is the same
     full = torch.full((8, GAMMA), 0.95, dtype=torch.float64).cumprod(dim=-1)
     assert ragged.cap(full, GAMMA) == padded.cap(full, GAMMA)
-    np_width = ragged._width(survival.numpy(), GAMMA)
+    np_width = ragged._width((survival.numpy() > 0).sum(axis=1), GAMMA)
     assert list(np_width) == [0.0, 0.125, 0.25, 0.375, 0.5, 0.5, 0.5, 0.5]
 
 
@@ -248,3 +249,37 @@ def test_a_ragged_round_is_measured_at_its_own_width():
     cap = policy.cap(every, GAMMA)
     policy.observe([cap] * 8, [cap] * 8, 0.0, 0.05, 0.05, 8 * (cap + 1))
     assert policy.round_times == {(8, cap): 0.05}
+
+
+def test_a_ragged_batch_drafts_only_the_rows_whose_drafts_pay():
+    """Eight rows, four confident and four unsure, each draft slot costing half a plain token
+    (the profile: 24 ms plain, 1.5 ms a row-token). On a slot cache each row pays for its own
+    drafts: the confident rows draft, the unsure ones (first draft 0.3 < 0.5) stay plain. A
+    padded pass is as wide as its longest row, so there every row drafts the cap. Unsure rows
+    alone: no row drafts."""
+    sure = torch.full((4, GAMMA), 0.95, dtype=torch.float64).cumprod(dim=-1)
+    unsure = torch.full((4, GAMMA), 0.3, dtype=torch.float64).cumprod(dim=-1)
+    ragged = AdaptiveDraftLength(round_time=_profile_8(), ragged=True, calibrate=False)
+    cap = ragged.cap(torch.cat([sure, unsure]), GAMMA)
+    assert cap > 0 and ragged.row_lengths[4:] == [0] * 4 and min(ragged.row_lengths[:4]) == cap
+    padded = AdaptiveDraftLength(round_time=_profile_8(), calibrate=False)
+    cap = padded.cap(torch.cat([sure, unsure]), GAMMA)
+    assert padded.row_lengths == [cap] * 8
+    only_unsure = torch.full((8, GAMMA), 0.3, dtype=torch.float64).cumprod(dim=-1)
+    assert ragged.cap(only_unsure, GAMMA) == 0 or ragged.row_lengths == [0] * 8
+
+
+def test_a_row_drafts_the_length_that_pays_as_a_whole():
+    """A row's length maximises its expected tokens over their slots' price: the first draft
+    carries the round's drafting cost (here 12 ms against 4 ms for each one after it, 24 ms a
+    plain round at batch 8: prices 0.5 and 1/6 of a plain token), so a first draft a little under
+    its price is drafted when the ones after it make up for it, and drafting stops where the
+    next draft's acceptance falls under its price."""
+    from components.engine.adaptive.times import RoundTimes
+
+    steps = [0.0, 0.012] + [0.004] * (GAMMA - 1)
+    profile = RoundTimes([8], torch.from_numpy(np.cumsum(steps)[None, :] + 0.024))
+    policy = AdaptiveDraftLength(round_time=profile, ragged=True, calibrate=False)
+    priced = policy._priced(8, GAMMA)
+    assert list(policy._worth(np.array([[0.45, 0.4, 0.35, 0.3, 0.1, 0.05, 0.0]]), priced)) == [4]
+    assert list(policy._worth(np.array([[0.3, 0.15, 0.1, 0.0, 0.0, 0.0, 0.0]]), priced)) == [0]

@@ -184,6 +184,7 @@ class ScriptedCap:
 
     adapts = True
     calibrate = False
+    row_lengths = None
 
     def __init__(self, caps):
         self.caps, self.i = list(caps), 0
@@ -197,6 +198,32 @@ class ScriptedCap:
 
     def observe(self, *args, **kwargs):
         pass
+
+
+class ScriptedLengths(ScriptedCap):
+    """Caps as ``ScriptedCap``, and a length of its own for each speculating row under them
+    (``row_lengths``, cycling through ``lengths``), as the adaptive policy gives on a ragged pass."""
+
+    def __init__(self, caps, lengths):
+        super().__init__(caps)
+        self.lengths = list(lengths)
+
+    def cap(self, survival, max_cap, remaining=None):
+        cap = super().cap(survival, max_cap)
+        self.row_lengths = [self.lengths[(self.i + b) % len(self.lengths)] for b in range(survival.shape[0])]
+        return cap
+
+
+def test_rows_draft_their_own_lengths_under_the_cap(tiny_target, greedy_refs):
+    """Each speculating row drafts the policy's length for it, at most the cap; a row given
+    none is a plain row of a drafting round. Output is the target's own."""
+    policy = ScriptedLengths([3], [0, 1, 2, 5])
+    engine = BatchEngine(tiny_target, random_drafter(tiny_target, "dspark"), max_batch_size=3, draft_length=policy)
+    results = engine.generate(requests(tiny_target))
+    assert [r.tokens for r in results] == greedy_refs
+    drafted = [d for r in results for d in r.drafted]
+    assert set(drafted) <= {1, 2, 3} and {1, 2, 3} <= set(drafted)  # 5 is cut to the cap, 0 drafts nothing
+    assert sum(r.rounds for r in results) > len(drafted)  # rounds where a row was given no draft
 
 
 def test_policy_sees_rows_left_tokens_only_when_nothing_waits(tiny_target, greedy_refs):

@@ -84,3 +84,29 @@ def test_propose_many_equals_propose_per_row(tiny_target, name):
         want = drafter.propose(state, torch.tensor([tok]), sampling, torch.Generator().manual_seed(seed), 3)
         assert got.tokens.tolist() == want.tokens.tolist()
         torch.testing.assert_close(got.probs, want.probs, atol=1e-4, rtol=1e-4)
+
+
+def test_previews_back_off_while_their_drafts_are_not_worth_drafting():
+    """After ``quiet`` previewing rounds offering drafts none of which was worth drafting, the
+    next previews wait 1, 2, 4, ... rounds (at most ``longest``); a round that drafts resets it;
+    rounds offering nothing (no match anywhere) leave it as it was; batch-size buckets apart."""
+    from components.engine.batch.draft import PreviewBackoff
+
+    backoff = PreviewBackoff(quiet=2, longest=4)
+
+    def play(rounds: int, offered: int, drafts: bool, batch: int = 8) -> str:
+        seen = ""
+        for _ in range(rounds):
+            due = backoff.due(batch)
+            seen += "p" if due else "-"
+            if due:
+                backoff.saw(batch, offered, drafts)
+        return seen
+
+    assert play(3, offered=0, drafts=False) == "ppp"  # nothing offered: looks every round
+    assert play(12, offered=5, drafts=False) == "pp-p--p----p"  # waits 1, 2, 4, then at most 4
+    assert play(1, offered=0, drafts=False, batch=1) == "p"  # another bucket: its own state
+    assert play(5, offered=5, drafts=False) == "----p"  # still backing off
+    assert play(4, offered=5, drafts=True) == "----"  # the back-off runs out first
+    assert play(3, offered=5, drafts=True) == "ppp"  # a round that drafts: every round again
+    assert play(3, offered=5, drafts=False) == "pp-"  # and a fresh back-off starts at 1
