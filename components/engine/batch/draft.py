@@ -86,8 +86,9 @@ class Drafting:
             if row.drafts is not None and row.result.accepted:
                 row.estimate.settle(row.num_drafts, row.result.accepted[-1])
         looks = self.previews and self.backoff.due(len(rows))
-        offered = self._preview(rows) if looks else 0
-        cap = self._cap(rows, draining) if looks or not self.previews else 0
+        offered, blind = self._preview(rows) if looks else (0, 0)
+        # a previewed round where no row has a draft to make needs no cap
+        cap = self._cap(rows, draining) if not self.previews or (looks and (offered or blind)) else 0
         lengths = self._lengths(rows, cap)  # [B] this round's drafts per row
         if looks:
             self.backoff.saw(len(rows), offered, any(lengths))
@@ -113,23 +114,24 @@ class Drafting:
             row.estimate.refresh(row.proposal.confidences if row.proposal is not None else None, self.policy.calibrate)
         return spent
 
-    def _preview(self, rows: list[Row]) -> int:
+    def _preview(self, rows: list[Row]) -> tuple[int, int]:
         """Draft-then-decide: each speculating row's estimate from the confidences of the draft
         its drafter will make this round (``preview``, over the ids its plain rounds deferred and
         the last token), zero past that draft's length; a row it cannot preview keeps its own.
-        Returns how many rows previewed a draft."""
-        max_cap, offered = self.settings.max_cap, 0
+        Returns how many rows previewed a draft, and how many could not be previewed."""
+        max_cap, offered, blind = self.settings.max_cap, 0, 0
         for row in rows:
             if not row.speculates:
                 continue
             recent = torch.cat([t for t, _ in row.pending] + [row.seq.last_token[:, None]], dim=1)  # [1, k+1]
             conf = self.drafter.preview(row.seq.draft_state, recent)  # [1, g] or None
+            blind += conf is None
             if conf is not None:
                 padded = torch.zeros(1, max_cap, dtype=torch.float64)
                 padded[:, :min(conf.shape[1], max_cap)] = conf[:, :max_cap].double().cpu()
                 row.estimate.refresh(padded, self.policy.calibrate)
                 offered += conf.shape[1] > 0
-        return offered
+        return offered, blind
 
     def _draft_together(self, rows: list[tuple[Row, int]]) -> float:
         """Drafts of ``rows`` (row, num_drafts) in one ``propose_many`` call, each of its own

@@ -452,14 +452,14 @@ class SurvivalCap:
 def test_the_batch_engine_prices_each_round_on_its_own_match(tiny_target, greedy_refs):
     """The batch engine asks the preview before the cap: each round's survival is its own
     draft's (zero past its length), a round the preview finds no match for is plain without a
-    proposal, and the output is the target's own."""
+    proposal and without asking the cap, and the output is the target's own."""
     reqs = requests(tiny_target)[:3]
     drafter = CountingSuffix(tiny_target.vocab_size, 4, 16, max_cached_responses=0)  # each request's own tree
     policy = SurvivalCap()
     results = BatchEngine(tiny_target, drafter, max_batch_size=1, draft_length=policy).generate(reqs)
     assert [r.tokens for r in results] == greedy_refs[:3]
     drafting = [s for s in policy.seen if s[0] > 0]
-    assert drafter.empty_previews == len(policy.seen) - len(drafting) > 0
+    assert drafter.empty_previews > 0 and len(policy.seen) == len(drafting)
     assert drafter.proposed == len(drafting) == sum(len(r.accepted) for r in results) > 0
     for s in drafting:  # a draft's survival: non-increasing, then zeros
         n = int((s > 0).sum())
