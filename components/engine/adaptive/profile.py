@@ -21,9 +21,13 @@ between them linear in G (one more stage's drafting, a verify pass a token wider
 three stages of γ = 7 time 12 caps instead of 22 (``profiled_caps``).
 
 Acceptance does not enter the table (the policy gets it from confidences and what it sees),
-but the rounds' holes and compactions depend on it: on random prompts a small target soon
-loops and a trained drafter follows, near real traffic there; for a target that does not loop,
-the rounds are priced as rounds that draft in vain. ``stored_round_times`` keeps a profile in
+but the rounds' holes and compactions depend on it, and a drafter that previews its match
+(suffix decoding) drafts only where it has one: so a prompt repeats a random phrase, which a
+target goes on repeating and drafters follow, and a cap is priced at the width (drafts per row)
+its rounds really verified, read between the widths measured (``_by_width``); for a target
+that does not repeat, the rounds are priced as rounds that draft in vain. The key holds the
+timing method (``PROFILE_METHOD``), so a change to it measures every stored profile again.
+``stored_round_times`` keeps a profile in
 a JSON file and reuses it for the same target, drafter, engine settings, processor and threads.
 ``profile_forward_time`` is the cheaper table the policy falls back on: the target's forward
 alone, T(n).
