@@ -12,7 +12,8 @@
   does, instead of verifying guesses).
 
 All three keep the committed token ids (the hidden states they are given are ignored, so they
-ask for no target taps: ``layer_ids = []``) and return one-hot or processed distributions as q.
+ask for no target taps: ``layer_ids = []``) and return one-hot or processed distributions as q;
+a one-hot q (``OneHotProposal``, suffix decoding's too) is written only if a rule reads it.
 They declare no capabilities (``capabilities()`` is empty): no batched passes, no DLoop stages,
 no carryover, no causal tree head. They know nothing about verification rules or caches.
 """
@@ -40,13 +41,47 @@ class TokenState:
 
 def one_hot_proposal(tokens: list[int], vocab_size: int, device: torch.device) -> Proposal:
     """A proposal [1, G] whose q is one-hot at each token (logits 0 / -inf, float32); G = 0:
-    nothing. Written by scatter into filled buffers: the same values as ``F.one_hot(ids,
-    V).float()`` and its log, without the int64 [1, G, V] tensor and the log over it."""
-    ids = torch.tensor([tokens], dtype=torch.long, device=device).view(1, len(tokens))  # [1, G]
-    at = ids.unsqueeze(-1)  # [1, G, 1]
-    probs = torch.zeros(1, len(tokens), vocab_size, device=device).scatter_(-1, at, 1.0)  # [1, G, V]
-    logits = torch.full((1, len(tokens), vocab_size), float("-inf"), device=device).scatter_(-1, at, 0.0)
-    return Proposal(ids, logits, probs, None)
+    nothing. Its [1, G, V] tensors are built when first read (``OneHotProposal``)."""
+    return OneHotProposal(torch.tensor([tokens], dtype=torch.long, device=device).view(1, len(tokens)), vocab_size)
+
+
+class OneHotProposal(Proposal):
+    """A ``Proposal`` whose q is one-hot at each of its tokens [1, G]: ``logits`` (0 at the token,
+    -inf elsewhere) and ``probs`` [1, G, V] float32 are written when first read, by scatter into
+    filled buffers (the values of ``F.one_hot(ids, V).float()`` and its log). Greedy verification
+    compares tokens and reads neither, and at a large vocabulary the two are most of a
+    model-free drafter's cost: 8 bytes a vocabulary entry a draft token, written every round."""
+
+    def __init__(self, tokens: Tensor, vocab_size: int, confidences: Tensor | None = None):
+        self.tokens, self.vocab_size = tokens, vocab_size  # tokens [1, G] long
+        self.confidences, self.states = confidences, None
+        self._logits: Tensor | None = None
+        self._probs: Tensor | None = None
+
+    @property  # type: ignore[override]
+    def logits(self) -> Tensor:  # [1, G, V]
+        if self._logits is None:
+            self._logits = self._filled(float("-inf"), 0.0)
+        return self._logits
+
+    @logits.setter
+    def logits(self, value: Tensor) -> None:
+        self._logits = value
+
+    @property  # type: ignore[override]
+    def probs(self) -> Tensor:  # [1, G, V]
+        if self._probs is None:
+            self._probs = self._filled(0.0, 1.0)
+        return self._probs
+
+    @probs.setter
+    def probs(self, value: Tensor) -> None:
+        self._probs = value
+
+    def _filled(self, fill: float, at_token: float) -> Tensor:
+        g = self.tokens.shape[1]
+        out = torch.full((1, g, self.vocab_size), fill, device=self.tokens.device)
+        return out.scatter_(-1, self.tokens.unsqueeze(-1), at_token)
 
 
 class TokenDrafter:

@@ -281,3 +281,24 @@ def test_a_learning_drafter_is_taught_each_finished_response_but_not_cancelled_o
     assert kept == sorted(greedy_refs[:-1])  # every response that ended, in full; not the cancelled one
     again = engine.generate(requests(tiny_target))  # drafting from what it learnt: still the target's own
     assert [r.tokens for r in again] == greedy_refs
+
+
+def test_greedy_rounds_never_build_a_one_hot_proposals_distributions(tiny_target, greedy_refs):
+    """A model-free drafter's q is one-hot: greedy verification compares tokens, so the [1, G, V]
+    logits and probs of its proposals are never written; sampled verification reads them, and
+    they are then the one-hot construction (``test_engine_zero_draft``)."""
+    made = []
+
+    class Recording(PromptLookupDrafter):
+        def propose(self, *args, **kwargs):
+            made.append(super().propose(*args, **kwargs))
+            return made[-1]
+
+    engine = BatchEngine(tiny_target, Recording(tiny_target.vocab_size, 4), max_batch_size=3)
+    assert [r.tokens for r in engine.generate(requests(tiny_target))] == greedy_refs
+    drafted = [p for p in made if p.tokens.shape[1]]
+    assert drafted and all(p._logits is None and p._probs is None for p in drafted)
+    made.clear()
+    reqs = requests(tiny_target, sampling=SamplingParams(temperature=0.8), rule="speculative", seed=1)
+    BatchEngine(tiny_target, Recording(tiny_target.vocab_size, 4), max_batch_size=3).generate(reqs)
+    assert any(p._probs is not None for p in made if p.tokens.shape[1])
