@@ -212,13 +212,15 @@ class AdaptiveDraftLength:
         raw = _survival(survival[:, :max_cap])
         a = self.calibrated(raw)
         bsz = a.shape[0]
+        seconds = self._priced(bsz, max_cap)  # [G+1] every row drafting G
         previewed = (raw > 0).sum(axis=1)  # [B] L_b: the drafts each row can make
-        lengths = np.minimum(previewed, self._worth(a, self._priced(bsz, max_cap)))  # [B]
+        lengths = np.minimum(previewed, self._worth(a, seconds))  # [B]
         a = a * (np.arange(max_cap)[None, :] < lengths[:, None])  # no tokens from drafts not made
         width = self._width(lengths, max_cap)
         if remaining is None:
             gained = np.concatenate([[0.0], np.cumsum(a.sum(axis=0))])  # [G+1]
-            rates = (bsz + gained) / self._priced(bsz, max_cap, width)  # [G+1] tokens per second
+            at_width = np.interp(width, np.arange(max_cap + 1, dtype=np.float64), seconds)  # as ``_priced``
+            rates = (bsz + gained) / at_width  # [G+1] tokens per second
         else:
             rates = 1.0 / self._drain_seconds(a, remaining, max_cap, width)  # [G+1] batches finished per second
         choice = self._explore(bsz, rates) if self.calibrate else int(rates.argmax())

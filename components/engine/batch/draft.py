@@ -172,7 +172,7 @@ class Drafting:
         """Each row's drafts this round: the cap for a speculating row, or the policy's own
         length for it where it gives one (``row_lengths``, over the speculating rows); 0 for
         the others."""
-        per_row = iter(self.policy.row_lengths or []) if cap and self.policy.adapts else iter(())
+        per_row = iter(self.policy.row_lengths or [])  # set by the policy's ``cap`` this round
         return [min(cap, next(per_row, cap)) if row.speculates and cap else 0 for row in rows]
 
     # ------------------------------------------------------------------ drafter updates
