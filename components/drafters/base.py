@@ -141,16 +141,15 @@ class RowDraws:
     def proposals(self) -> list[Proposal]:
         prop = target_proposal(self.vocab, torch.stack(self.tokens, 1), torch.stack(self.logits, 1),
                                torch.stack(self.probs, 1))
-        return [Proposal(prop.tokens[i:i + 1, :n], prop.logits[i:i + 1, :n], prop.probs[i:i + 1, :n], None)
-                for i, n in enumerate(self.per_row)]
+        return [prop.rows(i, n) for i, n in enumerate(self.per_row)]
 
 
 def target_proposal(vocab: DraftVocab | None, tokens: Tensor, logits: Tensor, probs: Tensor,
                     confidences: Tensor | None = None, states: Tensor | None = None) -> Proposal:
     """A proposal in target terms from target-id tokens [B, γ] and readout logits/probs [B, γ, D]:
     with a draft vocabulary they are spread into V (-inf logits, 0 probs outside it)."""
-    if vocab is not None:
-        logits, probs = vocab.widen(logits, float("-inf")), vocab.widen(probs, 0.0)
+    if vocab is not None:  # spread into V when a rule first reads them
+        return vocab.proposal(tokens, logits, probs, confidences, states)
     return Proposal(tokens, logits, probs, confidences, states)
 
 

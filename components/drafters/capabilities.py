@@ -60,6 +60,7 @@ class Capability(str, Enum):
     ROUND_LIMIT = "round_limit"  # max_speculative_tokens: the most one round (block, pass) can draft
     TARGET_KV = "target_kv"  # with_target_kv: reads the target's own K/V cache in place (H-Spec)
     RECYCLES = "recycles"  # with_recycled: the next block reads the last round's rejected drafts (ReTrace)
+    LAYER_KERNEL = "layer_kernel"  # kernel_layers/use_layer_kernel: its block's layers through a fused layer call
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -83,6 +84,7 @@ _METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.ROUND_LIMIT: ("max_speculative_tokens",),
     Capability.TARGET_KV: ("target_kv_layers", "with_target_kv"),
     Capability.RECYCLES: ("with_recycled", "recycle"),
+    Capability.LAYER_KERNEL: ("kernel_layers", "use_layer_kernel"),
 }
 
 

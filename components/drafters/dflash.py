@@ -67,6 +67,9 @@ class BlockBackbone(nn.Module):
         self.hidden_norm = RMSNorm(h, sizes.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(sizes) for _ in range(num_layers))
         self.norm = RMSNorm(h, sizes.rms_norm_eps)
+        # (x [Q, H], start, context) -> the layers' output [Q, H] or None: a batch-1 block's layers
+        # in one fused call each (``use_layer_kernel``); None: torch's layers
+        self.layer_kernel: Callable[[Tensor, int, list[KV]], Tensor | None] | None = None
 
     def fuse(self, hidden: Tensor) -> Tensor:  # taps [B, T, n, H] -> context features [B, T, H]
         return self.hidden_norm(self.fc(hidden.flatten(2)))
@@ -86,6 +89,10 @@ class BlockBackbone(nn.Module):
         context: list[KV],  # per layer k, v [B, h_kv, S, d]; [] = no context
         mask: Tensor | None,  # [B, 1, Q, S + Q] bool, or None = attend to everything
     ) -> Tensor:  # [B, Q, H] final-normed block states z
+        if self.layer_kernel is not None and x.shape[0] == 1 and mask is None:  # a batch-1 draft block
+            out = self.layer_kernel(x[0], int(positions[0, 0]), context)
+            if out is not None:
+                return self.norm(out[None])
         for i, layer in enumerate(self.layers):
             x, _ = layer(x, positions, context[i] if context else None, mask)
         return self.norm(x)
@@ -295,10 +302,8 @@ class DFlashDrafter(Drafter):
         z = self.rows_runner(states, last_tokens.device)(self.mask_block(last_tokens))[:, self.first_slot:self.first_slot + gamma]
         if all(is_greedy(s) for s in samplings):
             prop = self.sample_readout(z, last_tokens, samplings[0], None)
-            conf = prop.confidences
-            return [Proposal(prop.tokens[i:i + 1, :g], prop.logits[i:i + 1, :g], prop.probs[i:i + 1, :g],
-                             conf[i:i + 1, :g] if conf is not None else None, z[i:i + 1, :g])
-                    for i, g in enumerate(per_row)]
+            prop.states = z
+            return [prop.rows(i, g) for i, g in enumerate(per_row)]
         props = [self.sample_readout(z[i:i + 1, :per_row[i]], last_tokens[i:i + 1], samplings[i], gens[i])
                  for i in range(len(states))]
         for i, prop in enumerate(props):
@@ -340,6 +345,20 @@ class DFlashDrafter(Drafter):
         recycled = stack_recycled([s.recycled for s in states], bs, self.sizes.hidden_size, dev)
         return lambda ids: self.backbone(self.block_embed(ids, recycled), positions, context, mask)
 
+    def kernel_layers(self) -> tuple[list[nn.Module], LayerSizes]:
+        """The block's decoder layers and their sizes, for a fused layer call (``use_layer_kernel``)."""
+        return list(self.backbone.layers), self.sizes
+
+    def identity(self) -> str:
+        """As every drafter's, and whether its block layers run fused (which changes its time)."""
+        return super().identity() + (":fused" if self.backbone.layer_kernel is not None else "")
+
+    def use_layer_kernel(self, run: Callable[[Tensor, int, list[KV]], Tensor | None] | None) -> None:
+        """Batch-1 draft blocks (no grad, no mask) run their layers through ``run`` (e.g. the fast
+        step's kernel: ``target.draft_layers``), which may decline a call (None: torch's layers);
+        None restores torch's layers everywhere. Drafts may change by the rounding, not output."""
+        self.backbone.layer_kernel = run
+
     def propose_context(self, state: DraftState) -> list[KV]:
         """The K/V a block reads: committed rows [B, h_kv, length, d] then any carryover rows
         [B, h_kv, carry_rows, d] (batch 1: the block sees all of them, no mask needed)."""
@@ -356,6 +375,8 @@ class DFlashDrafter(Drafter):
             caps.add(Capability.CARRYOVER)
         if self.cfg.retrace:  # the recycle gate exists only then
             caps.add(Capability.RECYCLES)
+        if isinstance(self.backbone, BlockBackbone) and all(type(layer) is DecoderLayer for layer in self.backbone.layers):
+            caps.add(Capability.LAYER_KERNEL)  # plain layers (not DFlash2's convolutions)
         return frozenset(caps)
 
     def with_recycled(self, state: DraftState, proposal: Proposal, accepted: int, next_token: Tensor) -> DraftState:

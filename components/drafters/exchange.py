@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from components.config import DrafterConfig
@@ -183,3 +184,30 @@ class Proposal:
     probs: Tensor  # [B, G, V] q: the processed distribution each token was sampled from
     confidences: Tensor | None = None  # [B, G] σ(c_k): P(draft k accepted | prefix accepted)
     states: Tensor | None = None  # [B, G, H] the drafter's own state of each draft slot (DLoop)
+
+    def rows(self, i: int, g: int) -> Proposal:
+        """Row i's first g drafts, [1, g] (a drafter's batched proposal split per request)."""
+        conf, states = self.confidences, self.states
+        return Proposal(self.tokens[i:i + 1, :g], self.logits[i:i + 1, :g], self.probs[i:i + 1, :g],
+                        conf[i:i + 1, :g] if conf is not None else None, states[i:i + 1, :g] if states is not None else None)
+
+    def log_q(self, picked: Tensor) -> Tensor:
+        """log q(picked) [B, G] of target ids picked [B, G] under each slot's drafter logits."""
+        return torch.log_softmax(self.logits.float(), dim=-1).gather(-1, picked.unsqueeze(-1)).squeeze(-1)
+
+    @staticmethod
+    def concat(props: list[Proposal]) -> Proposal:
+        """Consecutive proposals (DLoop stages) as one, along the draft axis (confidences kept
+        where every stage has them; states dropped); proposals of one kind join as that kind does."""
+        if len(props) == 1:
+            return props[0]
+        kind = type(props[0])
+        return kind.join(props) if all(type(p) is kind for p in props) else Proposal.join(props)
+
+    @staticmethod
+    def join(props: list[Proposal]) -> Proposal:
+        """``concat`` of two or more proposals, their tensors read and joined now."""
+        conf = [p.confidences for p in props]
+        return Proposal(torch.cat([p.tokens for p in props], 1), torch.cat([p.logits for p in props], 1),
+                        torch.cat([p.probs for p in props], 1),
+                        torch.cat(conf, 1) if all(c is not None for c in conf) else None)

@@ -28,7 +28,9 @@ logits and over those logits spread into V (``-inf`` elsewhere) break ties alike
   token outside the draft vocabulary (:meth:`DraftVocab.restrict_tokens`) ends its block for the
   losses, as the drafter can never propose it nor what is teacher-forced after it.
 * Proposals (:meth:`DraftVocab.widen`): tokens in target ids, logits/probs spread into V with
-  ``-inf``/0 outside, so every verification rule sees the full-vocabulary protocol unchanged.
+  ``-inf``/0 outside, so every verification rule sees the full-vocabulary protocol unchanged;
+  spread when first read (:class:`VocabProposal`): greedy verification compares tokens and reads
+  neither, and DLoop's gate reads log q of its drafts over DV (the same values).
 
 Knows nothing about drafter families, records or engines; of a tokenizer it reads only its
 special ids (:func:`special_token_ids`).
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from components.drafters.errors import DrafterError
+from components.drafters.exchange import Proposal
 
 
 class DraftVocab(nn.Module):
@@ -119,6 +122,12 @@ class DraftVocab(nn.Module):
         out = x.new_full((*x.shape[:-1], self.vocab_size), fill)
         return out.index_copy_(-1, self.target_ids(), x)
 
+    def proposal(self, tokens: Tensor, logits: Tensor, probs: Tensor, confidences: Tensor | None = None,
+                 states: Tensor | None = None) -> VocabProposal:
+        """A proposal from target-id tokens [B, γ] and readout logits/probs [B, γ, DV], spread into
+        V when first read."""
+        return VocabProposal(tokens, logits, probs, self, confidences, states)
+
     # ---------------------------------------------------------------- training
     def target_logits(self, lm_head: nn.Module, x: Tensor) -> Tensor:  # [..., H] final-normed -> [..., DV]
         """The target head's logits at the draft vocabulary only (its rows of the head, an nn.Linear)."""
@@ -165,3 +174,60 @@ def special_token_ids(tokenizer: object, generation_eos: object = None) -> list[
     eos = generation_eos if isinstance(generation_eos, (list, tuple)) else [generation_eos]
     ids |= {int(i) for i in eos if i is not None}
     return sorted(int(i) for i in ids if i is not None and int(i) >= 0)
+
+
+class VocabProposal(Proposal):
+    """A ``Proposal`` read out over a draft vocabulary: ``logits``/``probs`` [B, G, V] are its
+    readout's [B, G, DV] spread into V (``DraftVocab.widen``: -inf / 0 outside) when first read,
+    since greedy verification reads neither and at V = 49,152 spreading them is a large share of
+    a small drafter's round. Slicing (``rows``), joining (``concat``) and ``log_q`` stay in DV."""
+
+    def __init__(self, tokens: Tensor, logits: Tensor, probs: Tensor, vocab: DraftVocab,
+                 confidences: Tensor | None = None, states: Tensor | None = None):
+        self.tokens, self.confidences, self.states = tokens, confidences, states  # [B, G], [B, G], [B, G, H]
+        self.readout_logits, self.readout_probs, self.vocab = logits, probs, vocab  # [B, G, DV] each
+        self._logits: Tensor | None = None
+        self._probs: Tensor | None = None
+
+    @property  # type: ignore[override]
+    def logits(self) -> Tensor:  # [B, G, V]
+        if self._logits is None:
+            self._logits = self.vocab.widen(self.readout_logits, float("-inf"))
+        return self._logits
+
+    @logits.setter
+    def logits(self, value: Tensor) -> None:
+        self._logits = value
+
+    @property  # type: ignore[override]
+    def probs(self) -> Tensor:  # [B, G, V]
+        if self._probs is None:
+            self._probs = self.vocab.widen(self.readout_probs, 0.0)
+        return self._probs
+
+    @probs.setter
+    def probs(self, value: Tensor) -> None:
+        self._probs = value
+
+    def rows(self, i: int, g: int) -> VocabProposal:
+        conf, states = self.confidences, self.states
+        return VocabProposal(self.tokens[i:i + 1, :g], self.readout_logits[i:i + 1, :g], self.readout_probs[i:i + 1, :g],
+                             self.vocab, conf[i:i + 1, :g] if conf is not None else None,
+                             states[i:i + 1, :g] if states is not None else None)
+
+    def log_q(self, picked: Tensor) -> Tensor:  # picked [B, G] target ids -> [B, G]
+        log_q = torch.log_softmax(self.readout_logits.float(), dim=-1)  # the same values as over V
+        draft = self.vocab.draft_of().to(picked.device)[picked]  # -1 outside the draft vocabulary
+        out = log_q.gather(-1, draft.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        return out.masked_fill(draft < 0, float("-inf"))
+
+    @staticmethod
+    def join(props: list[Proposal]) -> Proposal:
+        vocab = props[0].vocab  # type: ignore[attr-defined]
+        if any(p.vocab is not vocab for p in props):  # type: ignore[attr-defined]
+            return Proposal.join(props)
+        conf = [p.confidences for p in props]
+        return VocabProposal(torch.cat([p.tokens for p in props], 1),
+                             torch.cat([p.readout_logits for p in props], 1),  # type: ignore[attr-defined]
+                             torch.cat([p.readout_probs for p in props], 1),  # type: ignore[attr-defined]
+                             vocab, torch.cat(conf, 1) if all(c is not None for c in conf) else None)

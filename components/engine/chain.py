@@ -42,7 +42,6 @@ nothing about batching, trees, tokenization or drafter families.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -129,7 +128,7 @@ def draft_chain(drafter: EngineDrafter, settings: EngineSettings, rule: Rule, se
             break
         state = drafter.consume_own(state, prop.states)
         last = picked[:, -1]
-    return _concat(props), torch.cat(drafts, dim=1)
+    return Proposal.concat(props), torch.cat(drafts, dim=1)
 
 
 def _loop_again(settings: EngineSettings, stages: int, drafted: int, num_drafts: int, prop: Proposal,
@@ -138,18 +137,7 @@ def _loop_again(settings: EngineSettings, stages: int, drafted: int, num_drafts:
     Σ log q(drafts) ≥ gate."""
     if stages >= settings.loop_stages or drafted >= num_drafts or prop.states is None or picked.shape[1] == 0:
         return False
-    log_q = torch.log_softmax(prop.logits.float(), dim=-1).gather(-1, picked.unsqueeze(-1))
-    return float(log_q.sum()) >= settings.loop_gate
-
-
-def _concat(props: list[Proposal]) -> Proposal:
-    """One proposal from consecutive stages' proposals (along the draft axis)."""
-    if len(props) == 1:
-        return props[0]
-    conf = [p.confidences for p in props]
-    return Proposal(torch.cat([p.tokens for p in props], 1), torch.cat([p.logits for p in props], 1),
-                    torch.cat([p.probs for p in props], 1),
-                    torch.cat(conf, 1) if all(c is not None for c in conf) else None)
+    return float(prop.log_q(picked).sum()) >= settings.loop_gate
 
 
 def verify_chain(target: Any, drafter: EngineDrafter, rule: Rule, seq: SequenceState, prop: Proposal | None, drafts: Tensor,
@@ -213,7 +201,8 @@ def commit_round(drafter: EngineDrafter, settings: EngineSettings, seq: Sequence
     if state is not None:
         state, carried = carry_over(drafter, settings, state, hidden, num_drafts, accepted, seq.length + accepted)
         if drafts is not None and proposal is not None and has(drafter, Capability.RECYCLES):
-            verified = dataclasses.replace(proposal, tokens=drafts)  # a rule may pick other tokens than drawn
+            # a rule may pick other tokens than drawn
+            verified = Proposal(drafts, proposal.logits, proposal.probs, proposal.confidences, proposal.states)
             state = drafter.with_recycled(state, verified, accepted, next_token)
     emitted = ([] if drafts is None else drafts[0, :accepted].tolist()) + [int(next_token[0])]
     res.add_round(accepted if drafts is not None else None, num_drafts, seq.carry_rows)

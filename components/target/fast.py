@@ -31,8 +31,10 @@ import torch
 from torch import Tensor
 
 from components.config import TINY_TARGET, TargetConfig
+from components.drafters.capabilities import Capability, has
 from components.engine.cache.slots import SlotCache, SlotPool
 from components.target.blocks import BLOCK, BlockIndex, quantize_q8_0
+from components.target.draft_layers import KernelLayers
 from components.target.hf import Target, TargetError, TargetOutput
 from components.target.kernels import (
     KernelUnavailable,
@@ -294,25 +296,38 @@ def stream_linears(target: Target, cfg: TargetConfig, lines: Callable[[str], Non
     ``keep_target``: leave the target model's own layers as they are, even where ``modules``
     share them (a drafter reading the target's head), and pack the others as
     ``target.draft_weights`` says (Q8_0 blocks, quantized here, or float32 panels): they are a
-    drafter's, whose products need not be exact. The target's own are packed as float32."""
+    drafter's, whose products need not be exact. The target's own are packed as float32. A
+    drafter among ``modules`` declaring ``Capability.LAYER_KERNEL`` also runs its batch-1 draft
+    blocks' decoder layers one kernel call each (``draft_layers.KernelLayers``, same packing)."""
     if cfg.draft_weights not in DRAFT_WEIGHTS:
         raise TargetError(f"target.draft_weights: '{cfg.draft_weights}' is not one of {list(DRAFT_WEIGHTS)}")
     kernel, why = wanted_kernel(target, cfg)
     changed, kept = 0, {id(m) for m in target.model.modules()} if keep_target else set()
     quantize = keep_target and cfg.draft_weights != "float32"
-    for root in (modules if modules is not None else [target.model]) if kernel is not None else ():
+
+    def pack(w: Tensor) -> PackedWeight:
+        blocks = quantize_q8_0(w) if quantize and w.shape[1] % BLOCK == 0 else None
+        return kernel.pack_blocks(blocks, w) if blocks is not None else kernel.pack(w)
+
+    roots = (modules if modules is not None else [target.model]) if kernel is not None else ()
+    for root in roots:
         for module in root.modules():
             if (type(module) is torch.nn.Linear and module.bias is None and module.weight.dtype == torch.float32
                     and id(module) not in kept):
-                w = module.weight.detach()
-                blocks = quantize_q8_0(w) if quantize and w.shape[1] % BLOCK == 0 else None
+                module.packed = pack(module.weight.detach())
                 module.__class__ = StreamingLinear
                 module.kernel = kernel
-                module.packed = kernel.pack_blocks(blocks, w) if blocks is not None else kernel.pack(w)
                 changed += 1
+    fused = 0
+    for root in roots if keep_target else ():  # a drafter's block layers: one kernel call each
+        if has(root, Capability.LAYER_KERNEL):
+            layers, sizes = root.kernel_layers()
+            root.use_layer_kernel(KernelLayers(kernel, layers, sizes, pack))
+            fused += len(layers)
     if lines:
         how = "as q8_0 blocks" if quantize else "as float32"
-        lines(f"linears: {changed} streamed by the kernel {how}" if changed else f"linears: torch's ({why})")
+        lines((f"linears: {changed} streamed by the kernel {how}" + (f", {fused} draft layers fused" if fused else ""))
+              if changed else f"linears: torch's ({why})")
     return changed
 
 

@@ -172,7 +172,7 @@ class RowsGemm:
         self._layer = lib.llama_layer
         self._layer.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
                                 + [ctypes.c_float] + [ctypes.c_void_p] * 10
-                                + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.POINTER(ctypes.c_int32)])
+                                + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p])
         self._layer.restype = None
 
     @classmethod
@@ -204,14 +204,17 @@ class RowsGemm:
             n = int(n * min(10.0, 1.5 * seconds / max(took, 1e-6)))
 
     def layer(self, x: Tensor, seq: Tensor, pos: Tensor, shape: Any, weights: Any, k: Tensor, v: Tensor,
-              cos: Tensor, sin: Tensor, threads: int | None = None) -> None:
+              cos: Tensor, sin: Tensor, threads: int | None = None, upto: Tensor | None = None) -> None:
         """Runs one decoder layer (``layer.c``) in place on ``x`` [T, H] (contiguous float32): row t
         is a new token of sequence ``seq[t]`` (a row of the slab ``k``/``v`` [B, h_kv, S, d],
         contiguous) at position and slot ``pos[t]`` (both int64 [T]); its key/value is written
-        there and it attends to slots 0..pos[t] of its sequence. ``shape``: ``step.Shape``;
+        there and it attends to slots 0..pos[t] of its sequence, or 0..upto[t] (int64 [T]: every
+        row's key/value is written before any row attends). ``shape``: ``step.Shape``;
         ``weights``: ``step._Layer`` with its products' weights packed; cos/sin [S, d]."""
         if not (k.is_contiguous() and v.is_contiguous() and seq.dtype == pos.dtype == torch.int64):
             raise KernelUnavailable("RowsGemm.layer takes a contiguous slab and int64 seq/pos")
+        if upto is not None and not (upto.dtype == torch.int64 and upto.is_contiguous() and upto.shape == pos.shape):
+            raise KernelUnavailable("RowsGemm.layer takes upto as contiguous int64 [T], like pos")
         # the packed products' arguments, fixed per weights and pass length (up to BLOCK_ROWS rows
         # or more), kept on the weights object: a decode step makes 30 of these calls. The norms
         # are the model's own parameters, whose storage may change (``model.to``): read each call.
@@ -227,7 +230,7 @@ class RowsGemm:
         self._layer(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads, shape.kv_heads,
                     shape.head_dim, w.down.shape[1], shape.eps, ptr(w.norm1), qkv, ptr(w.q_norm), ptr(w.k_norm), o,
                     ptr(w.norm2), gate_up, down, k.data_ptr(), v.data_ptr(), k.shape[2], cos.data_ptr(), sin.data_ptr(),
-                    threads or torch.get_num_threads(), formats)
+                    threads or torch.get_num_threads(), formats, ptr(upto))
 
     @staticmethod
     def _products(rows: int, w: Any) -> tuple[tuple[int, ...], Any]:

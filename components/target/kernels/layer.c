@@ -10,7 +10,9 @@
  *   x += a Woᵀ;  h = rms(x) * norm2;  g|u = h Wguᵀ;  x += (silu(g) * u) Wdownᵀ
  *
  * Every row's keys/values are written before any row attends, so rows of one sequence see each
- * other causally (a row reads slots up to its own position, whatever the call order).
+ * other causally (a row reads slots up to its own position, whatever the call order). With
+ * `upto` (else NULL), row t reads slots 0..upto[t] instead: a block drafter's block, whose rows
+ * all read each other and the context before them.
  *
  * The weights come packed in panels of 16 rows, each product's in its own format (`formats`:
  * float32 panels, rows_gemm.c; or the checkpoint's Q4_1 / Q8_0 blocks, rows_gemm_blocks.c; on AVX-512 CPUs
@@ -141,9 +143,10 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
                  int64_t inter, float eps, const float *norm1, const void *wqkv, const float *q_norm,
                  const float *k_norm, const void *wo, const float *norm2, const void *wgu,
                  const void *wdown, float *kc, float *vc, int64_t S, const float *cos, const float *sin,
-                 int threads, const int32_t *formats /* [4]: qkv, o, gate|up, down */) {
+                 int threads, const int32_t *formats /* [4]: qkv, o, gate|up, down */, const int64_t *upto) {
     int64_t width = (hq + 2 * hkv) * d, group = hq / hkv, span = 0;
-    for (int64_t t = 0; t < T; t++) span = pos[t] + 1 > span ? pos[t] + 1 : span;
+    if (!upto) upto = pos;
+    for (int64_t t = 0; t < T; t++) span = upto[t] + 1 > span ? upto[t] + 1 : span;
     float scale = 1.f / sqrtf((float)d);
     float *h = malloc(sizeof(float) * T * H);
     float *qkv = malloc(sizeof(float) * T * width);
@@ -171,7 +174,7 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
     }
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t it = 0; it < hq * T; it++) {
-        int64_t head = it / T, t = it % T, n = pos[t] + 1;
+        int64_t head = it / T, t = it % T, n = upto[t] + 1;
         const float *q = qkv + t * width + head * d;
         const float *ks = kc + (seq[t] * hkv + head / group) * S * d, *vs = vc + (seq[t] * hkv + head / group) * S * d;
         attend(q, ks, vs, n, d, scale, scores + it * span, att + t * hq * d + head * d);

@@ -182,6 +182,31 @@ def test_proposals_are_target_ids_over_the_full_vocabulary(tiny_target, ids, dr,
     assert torch.equal(greedy.tokens, greedy.logits.argmax(-1))  # the argmax over V, ties alike
 
 
+def test_a_proposal_spreads_into_the_vocabulary_only_when_read(tiny_target, ids, dr):
+    from components.drafters.exchange import Proposal
+    from components.drafters.vocab import VocabProposal
+
+    d = reduced(tiny_target, "dspark")
+    run = dr.run(tiny_target, d, ids)
+    state = d.consume(d.init_state(2), ids[:, :-1], run.hidden[:, :-1])
+    prop = d.propose(state, ids[:, -1], SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert isinstance(prop, VocabProposal) and prop._logits is None and prop._probs is None
+    first = prop.rows(1, 3)  # a row's first drafts: still over DV
+    second = prop.rows(1, prop.tokens.shape[1])
+    joined = Proposal.concat([first, second])  # DLoop's stages: joined over DV
+    assert isinstance(joined, VocabProposal) and joined._logits is None and prop._logits is None
+    picked = joined.tokens.clone()
+    picked[0, 1] = int((~d.vocab.t2d).nonzero()[0])  # a token outside the draft vocabulary
+    log_q = joined.log_q(picked)
+    assert joined._logits is None  # in DV
+    eager = torch.cat([prop.logits[1:2, :3], prop.logits[1:2]], 1)  # spread now
+    assert torch.equal(joined.logits, eager)
+    torch.testing.assert_close(log_q, Proposal.log_q(Proposal(joined.tokens, eager, eager), picked))
+    assert log_q[0, 1] == float("-inf")
+    torch.testing.assert_close(joined.probs, torch.cat([prop.probs[1:2, :3], prop.probs[1:2]], 1))
+    assert torch.equal(joined.tokens, torch.cat([prop.tokens[1:2, :3], prop.tokens[1:2]], 1))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_training_matches_inference_with_a_draft_vocabulary(tiny_target, ids, dr, name):
     d = reduced(tiny_target, name)

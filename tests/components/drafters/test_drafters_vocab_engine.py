@@ -81,11 +81,19 @@ def bigram_dspark(target, sequences: list[list[int]], counts: torch.Tensor):
     return d
 
 
+def spread(spy) -> list:
+    """The proposals over a draft vocabulary whose logits or probs were spread into V."""
+    from components.drafters.vocab import VocabProposal
+
+    return [p for p in spy.props if isinstance(p, VocabProposal) and (p._logits is not None or p._probs is not None)]
+
+
 class Spy:
     """Records every token a drafter proposes (batch-1 and batched)."""
 
     def __init__(self, drafter):
         self.proposed: set[int] = set()
+        self.props: list = []  # every proposal, as the drafter returned it
         for method in ("propose", "propose_many"):
             setattr(drafter, method, self.wrap(getattr(drafter, method)))
 
@@ -94,6 +102,7 @@ class Spy:
             out = fn(*args, **kwargs)
             for prop in out if isinstance(out, list) else [out]:
                 self.proposed |= set(prop.tokens.flatten().tolist())
+                self.props.append(prop)
             return out
         return spied
 
@@ -123,6 +132,7 @@ def test_greedy_batch1_is_lossless_and_recovers_what_the_drafter_cannot_propose(
         assert out.tokens == ref
         accepted += sum(out.accepted)
     assert missing not in spy.proposed and spy.proposed  # never proposed, yet it came out (after the prefill)
+    assert not spread(spy)  # greedy verification compares tokens: q over V is never built
     if name == "dspark-bigram":
         assert accepted >= MAX_NEW  # drafts from the draft vocabulary were accepted
 
@@ -136,6 +146,7 @@ def test_greedy_batch_engine_is_lossless(tiny_target, refs, name, max_batch):
     results = engine.generate([Request(p, MAX_NEW) for p in prompts(tiny_target)])
     assert [r.tokens for r in results] == refs
     assert missing not in spy.proposed and spy.proposed
+    assert not spread(spy)
     if name == "dspark-bigram":
         assert sum(sum(r.accepted) for r in results) >= MAX_NEW
 

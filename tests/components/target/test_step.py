@@ -193,7 +193,7 @@ def test_a_drafters_linears_stream_and_the_targets_stay(tiny_target_cfg, tiny_ta
     assert not any(isinstance(m, StreamingLinear) for m in tiny_target.model.modules())
     streamed = [m for m in drafter.modules() if isinstance(m, StreamingLinear)]
     assert streamed and {m.packed.format for m in streamed} == {"q8_0"}  # draft_weights auto: quantized
-    assert drafter.identity().endswith(":q8_0")  # round profiles measured with float32 products are not reused
+    assert drafter.identity().endswith(":q8_0:fused")  # round profiles measured with float32 products are not reused
     engine = SpeculativeEngine(tiny_target, drafter, rule="greedy")
     prompt = prompts(tiny_target)[0]
     assert engine.generate(prompt, MAX_NEW).tokens == target_only_generate(tiny_target, prompt, MAX_NEW).tokens
