@@ -161,6 +161,10 @@ class AdaptiveDraftLength:
     calibrate: bool = True  # survival calibration and measured round times (module docstring)
     ragged: bool = False  # rows verify only their own drafts (a slot cache): width = the rows' mean
     calibration_ema: float = 0.3
+    # a round's measured seconds count at most this times their running mean: a pass that stalls
+    # now and then (the OS, a page fault) at several times its seconds would otherwise move a
+    # plain round's price for dozens of rounds, and the policy would draft as long as it lasted
+    spike: float = 1.5
     recheck: int = 32  # most rounds per batch-size bucket between re-tries of the side not chosen
     min_recheck: int = 2  # fewest (back-off: doubles while tries lose)
     backoff: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, G > 0) -> rounds between tries
@@ -374,7 +378,7 @@ class AdaptiveDraftLength:
         whole number (the widths the model is priced at; a ragged round between them teaches
         only its side's ratio) and moves its side's (plain or drafting) measured/model ratio
         (tokens are calibrated by ``_count_hits``: a round's acceptance is far noisier than
-        its time, so the two are corrected apart)."""
+        its time, so the two are corrected apart), each at most ``spike`` times its mean."""
         (bsz, cap), _ = self._last
         bucket = batch_bucket(bsz)
         side = (bucket, cap > 0)
@@ -382,11 +386,14 @@ class AdaptiveDraftLength:
         self.tried[side] = self.bucket_rounds[bucket]
         if round_seconds <= 0:
             return
-        updates = [(self.corrections, side, round_seconds / max(predicted, 1e-12))]
+        # (table, key, value, the model's value): a stall (the OS, a page fault) counts as a slow
+        # round, ``spike`` times the running mean (the model's before the first measurement)
+        updates = [(self.corrections, side, round_seconds / max(predicted, 1e-12), 1.0)]
         if width == int(width):
-            updates.append((self.round_times, (bsz, int(width)), round_seconds))
-        for table, key, value in updates:
+            updates.append((self.round_times, (bsz, int(width)), round_seconds, predicted))
+        for table, key, value, model in updates:
             old = table.get(key)
+            value = min(value, self.spike * (model if old is None else old))
             table[key] = value if old is None else (1 - self.calibration_ema) * old + self.calibration_ema * value
 
     def _count_hits(self, accepted: list[int], drafted: list[int]) -> None:

@@ -283,3 +283,29 @@ def test_a_row_drafts_the_length_that_pays_as_a_whole():
     priced = policy._priced(8, GAMMA)
     assert list(policy._worth(np.array([[0.45, 0.4, 0.35, 0.3, 0.1, 0.05, 0.0]]), priced)) == [4]
     assert list(policy._worth(np.array([[0.3, 0.15, 0.1, 0.0, 0.0, 0.0, 0.0]]), priced)) == [0]
+
+
+def test_a_stalled_pass_moves_a_price_no_more_than_a_slow_round():
+    """A plain round whose pass stalls (the OS, a page fault: ten times its seconds) counts as a
+    round ``spike`` times its price at most, so drafts that do not pay at the profile's prices
+    are still not worth drafting after it (a plain round priced at the stall's seconds would
+    make every cap look cheap, and plain rounds, whose tokens are certain, are not tried again
+    soon)."""
+    policy = AdaptiveDraftLength(round_time=_profile_8(per_token=0.006))  # a draft's slot: 2 plain tokens
+    unsure = torch.full((8, GAMMA), 0.2, dtype=torch.float64).cumprod(dim=-1)
+
+    def best_cap() -> int:  # the model's choice (``cap`` may try the other side instead)
+        tokens = 8 + np.concatenate([[0.0], np.cumsum(unsure.numpy().sum(axis=0))])
+        return int((tokens / policy._priced(8, GAMMA)).argmax())
+
+    assert policy.cap(unsure, GAMMA) == 0 and best_cap() == 0
+    plain = float(policy._priced(8, GAMMA)[0])
+    policy.observe([], [], 0.0, 10 * plain, 10 * plain, 8)
+    assert plain < policy.round_times[(8, 0)] <= policy.spike * plain + 1e-12
+    for _ in range(3):  # stalls in a row climb by at most (1 − ema + ema·spike) each
+        before = policy.round_times[(8, 0)]
+        assert best_cap() == 0
+        policy.cap(unsure, GAMMA)
+        policy.observe([], [], 0.0, 10 * before, 10 * before, 8)
+        climb = 1 - policy.calibration_ema + policy.calibration_ema * policy.spike
+        assert policy.round_times[(8, 0)] <= before * climb + 1e-12
