@@ -221,10 +221,13 @@ class AdaptiveDraftLength:
         lengths = np.minimum(previewed, self._worth(a, seconds))  # [B]
         a = a * (np.arange(max_cap)[None, :] < lengths[:, None])  # no tokens from drafts not made
         width = self._width(lengths, max_cap)
-        if remaining is None:
-            gained = np.concatenate([[0.0], np.cumsum(a.sum(axis=0))])  # [G+1]
+        if remaining is None or bsz == 1:  # one row draining: the same choice, its drafts past its end cut
             at_width = np.interp(width, np.arange(max_cap + 1, dtype=np.float64), seconds)  # as ``_priced``
-            rates = (bsz + gained) / at_width  # [G+1] tokens per second
+            if remaining is None:
+                tokens = bsz + np.concatenate([[0.0], np.cumsum(a.sum(axis=0))])  # [G+1]
+            else:
+                tokens = _row_tokens(a, np.maximum(np.asarray(remaining, dtype=np.float64), 1.0))[0]
+            rates = tokens / at_width  # [G+1] tokens per second
         else:
             rates = 1.0 / self._drain_seconds(a, remaining, max_cap, width)  # [G+1] batches finished per second
         choice = self._explore(bsz, rates) if self.calibrate else int(rates.argmax())

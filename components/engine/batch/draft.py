@@ -23,7 +23,10 @@ plain decoding costs. A drafter declaring ``Capability.PREVIEWS`` (suffix decodi
 tells, before the cap is picked, the confidences of the draft it will make (a lookup over the
 row's ids, deferred ones included), so an adaptive cap is priced on this round's own draft
 (draft-then-decide) rather than on the last round's; while the previews keep offering drafts
-that are not worth their slots (a large batch), they back off (``PreviewBackoff``).
+that are not worth their slots (a large batch), they back off (``PreviewBackoff``). A drafter
+without previews asks the cap every round, and while the cap keeps answering 0 the asking backs
+off the same way (the cap's arithmetic costs a few percent of a step at batch 1): those rounds
+are plain.
 
 A drafter declaring ``Capability.TARGET_KV`` reads the target's own K/V: each drafting row's
 state is handed views of its row of the batch's cache (``core.attach_target_kv``; ``RaggedCache``
@@ -76,6 +79,7 @@ class Drafting:
         self.capped_rounds = 0  # rounds that chose a cap, since the engine started
         self.defer_plain_updates = True  # plain rounds of speculating rows defer the drafter's update
         self.backoff = PreviewBackoff()  # previews skipped while none is worth drafting
+        self.quiet_caps = PreviewBackoff()  # no previews: caps not asked while they keep answering 0
 
     # ------------------------------------------------------------------ drafting
     def draft(self, rows: list[Row], draining: bool, cache: Any = None) -> float:
@@ -88,10 +92,13 @@ class Drafting:
         looks = self.previews and self.backoff.due(len(rows))
         offered, blind = self._preview(rows) if looks else (0, 0)
         # a previewed round where no row has a draft to make needs no cap
-        cap = self._cap(rows, draining) if not self.previews or (looks and (offered or blind)) else 0
+        asks = looks and (offered or blind) if self.previews else self.quiet_caps.due(len(rows))
+        cap = self._cap(rows, draining) if asks else 0
         lengths = self._lengths(rows, cap)  # [B] this round's drafts per row
         if looks:
             self.backoff.saw(len(rows), offered, any(lengths))
+        elif asks and self.policy.adapts:  # a cap asked without previews: 0 is its "not worth it"
+            self.quiet_caps.saw(len(rows), 1, any(lengths))
         spent = self.flush([r for r, n in zip(rows, lengths) if r.pending and n])
         together: list[tuple[Row, int]] = []
         for b, row in enumerate(rows):

@@ -110,3 +110,21 @@ def test_previews_back_off_while_their_drafts_are_not_worth_drafting():
     assert play(4, offered=5, drafts=True) == "----"  # the back-off runs out first
     assert play(3, offered=5, drafts=True) == "ppp"  # a round that drafts: every round again
     assert play(3, offered=5, drafts=False) == "pp-"  # and a fresh back-off starts at 1
+
+
+def test_a_cap_that_keeps_answering_zero_is_asked_less_often(tiny_target):
+    """A drafter without previews: while the adaptive cap keeps answering 0, it is asked after
+    1, 2, 4, ... plain rounds (at most 16), and the rounds between are plain; a cap that
+    drafts asks every round again. Output is the target's either way."""
+    from tests.components.engine.batch.test_continuous import ScriptedCap
+
+    prompt = batch_prompts(tiny_target)[0]
+    ref = target_only_generate(tiny_target, prompt, 60).tokens
+    quiet = ScriptedCap([0])
+    engine = BatchEngine(tiny_target, random_drafter(tiny_target, "dspark"), max_batch_size=1, draft_length=quiet)
+    assert engine.generate([Request(prompt, 60)])[0].tokens == ref
+    assert quiet.i < 20  # 4 rounds asked, then after 1, 2, 4, 8, 16, 16 plain rounds: about 10 of 59
+    drafting = ScriptedCap([1])
+    engine = BatchEngine(tiny_target, random_drafter(tiny_target, "dspark"), max_batch_size=1, draft_length=drafting)
+    out = engine.generate([Request(prompt, 60)])[0]
+    assert out.tokens == ref and drafting.i == out.rounds  # asked every round
