@@ -211,3 +211,40 @@ class Proposal:
         return Proposal(torch.cat([p.tokens for p in props], 1), torch.cat([p.logits for p in props], 1),
                         torch.cat([p.probs for p in props], 1),
                         torch.cat(conf, 1) if all(c is not None for c in conf) else None)
+
+
+class LazyProposal(Proposal):
+    """A ``Proposal`` whose ``logits``/``probs`` [B, G, V] are built when a rule first reads them
+    (``build_logits``/``build_probs``, the subclass's): greedy verification compares tokens and
+    reads neither, and at a large V writing them is a large share of a cheap drafter's round."""
+
+    def __init__(self, tokens: Tensor, confidences: Tensor | None = None, states: Tensor | None = None):
+        self.tokens, self.confidences, self.states = tokens, confidences, states  # [B, G], [B, G], [B, G, H]
+        self._logits: Tensor | None = None
+        self._probs: Tensor | None = None
+
+    def build_logits(self) -> Tensor:  # [B, G, V]
+        raise NotImplementedError
+
+    def build_probs(self) -> Tensor:  # [B, G, V]
+        raise NotImplementedError
+
+    @property  # type: ignore[override]
+    def logits(self) -> Tensor:  # [B, G, V]
+        if self._logits is None:
+            self._logits = self.build_logits()
+        return self._logits
+
+    @logits.setter
+    def logits(self, value: Tensor) -> None:
+        self._logits = value
+
+    @property  # type: ignore[override]
+    def probs(self) -> Tensor:  # [B, G, V]
+        if self._probs is None:
+            self._probs = self.build_probs()
+        return self._probs
+
+    @probs.setter
+    def probs(self, value: Tensor) -> None:
+        self._probs = value

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from components.drafters.errors import DrafterError
-from components.drafters.exchange import Proposal
+from components.drafters.exchange import LazyProposal, Proposal
 
 
 class DraftVocab(nn.Module):
@@ -176,7 +176,7 @@ def special_token_ids(tokenizer: object, generation_eos: object = None) -> list[
     return sorted(int(i) for i in ids if i is not None and int(i) >= 0)
 
 
-class VocabProposal(Proposal):
+class VocabProposal(LazyProposal):
     """A ``Proposal`` read out over a draft vocabulary: ``logits``/``probs`` [B, G, V] are its
     readout's [B, G, DV] spread into V (``DraftVocab.widen``: -inf / 0 outside) when first read,
     since greedy verification reads neither and at V = 49,152 spreading them is a large share of
@@ -184,30 +184,14 @@ class VocabProposal(Proposal):
 
     def __init__(self, tokens: Tensor, logits: Tensor, probs: Tensor, vocab: DraftVocab,
                  confidences: Tensor | None = None, states: Tensor | None = None):
-        self.tokens, self.confidences, self.states = tokens, confidences, states  # [B, G], [B, G], [B, G, H]
+        super().__init__(tokens, confidences, states)
         self.readout_logits, self.readout_probs, self.vocab = logits, probs, vocab  # [B, G, DV] each
-        self._logits: Tensor | None = None
-        self._probs: Tensor | None = None
 
-    @property  # type: ignore[override]
-    def logits(self) -> Tensor:  # [B, G, V]
-        if self._logits is None:
-            self._logits = self.vocab.widen(self.readout_logits, float("-inf"))
-        return self._logits
+    def build_logits(self) -> Tensor:  # [B, G, V]
+        return self.vocab.widen(self.readout_logits, float("-inf"))
 
-    @logits.setter
-    def logits(self, value: Tensor) -> None:
-        self._logits = value
-
-    @property  # type: ignore[override]
-    def probs(self) -> Tensor:  # [B, G, V]
-        if self._probs is None:
-            self._probs = self.vocab.widen(self.readout_probs, 0.0)
-        return self._probs
-
-    @probs.setter
-    def probs(self, value: Tensor) -> None:
-        self._probs = value
+    def build_probs(self) -> Tensor:  # [B, G, V]
+        return self.vocab.widen(self.readout_probs, 0.0)
 
     def rows(self, i: int, g: int) -> VocabProposal:
         conf, states = self.confidences, self.states

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from components.drafters.base import DEFAULT_SAMPLING, Proposal, sample_tokens
 from components.drafters.capabilities import Capability
+from components.drafters.exchange import LazyProposal
 from components.spec.sampling import SamplingParams
 
 
@@ -45,7 +46,7 @@ def one_hot_proposal(tokens: list[int], vocab_size: int, device: torch.device) -
     return OneHotProposal(torch.tensor([tokens], dtype=torch.long, device=device).view(1, len(tokens)), vocab_size)
 
 
-class OneHotProposal(Proposal):
+class OneHotProposal(LazyProposal):
     """A ``Proposal`` whose q is one-hot at each of its tokens [1, G]: ``logits`` (0 at the token,
     -inf elsewhere) and ``probs`` [1, G, V] float32 are written when first read, by scatter into
     filled buffers (the values of ``F.one_hot(ids, V).float()`` and its log). Greedy verification
@@ -53,30 +54,14 @@ class OneHotProposal(Proposal):
     model-free drafter's cost: 8 bytes a vocabulary entry a draft token, written every round."""
 
     def __init__(self, tokens: Tensor, vocab_size: int, confidences: Tensor | None = None):
-        self.tokens, self.vocab_size = tokens, vocab_size  # tokens [1, G] long
-        self.confidences, self.states = confidences, None
-        self._logits: Tensor | None = None
-        self._probs: Tensor | None = None
+        super().__init__(tokens, confidences)  # tokens [1, G] long
+        self.vocab_size = vocab_size
 
-    @property  # type: ignore[override]
-    def logits(self) -> Tensor:  # [1, G, V]
-        if self._logits is None:
-            self._logits = self._filled(float("-inf"), 0.0)
-        return self._logits
+    def build_logits(self) -> Tensor:  # [1, G, V]
+        return self._filled(float("-inf"), 0.0)
 
-    @logits.setter
-    def logits(self, value: Tensor) -> None:
-        self._logits = value
-
-    @property  # type: ignore[override]
-    def probs(self) -> Tensor:  # [1, G, V]
-        if self._probs is None:
-            self._probs = self._filled(0.0, 1.0)
-        return self._probs
-
-    @probs.setter
-    def probs(self, value: Tensor) -> None:
-        self._probs = value
+    def build_probs(self) -> Tensor:  # [1, G, V]
+        return self._filled(0.0, 1.0)
 
     def _filled(self, fill: float, at_token: float) -> Tensor:
         g = self.tokens.shape[1]
