@@ -1,7 +1,7 @@
 """What drafters exchange with the trainer and the engine: specs, batches, outputs, state, proposals.
 
-Plain dataclasses with a shape comment on every tensor field; :mod:`components.drafters.base`
-re-exports them beside the interface that produces and consumes them. R is the readout
+Plain dataclasses with a shape comment on every tensor field (and ``LazyProposal``, a proposal
+whose [B, G, V] tensors are built when first read); :mod:`components.drafters.base` re-exports them beside the interface that produces and consumes them. R is the readout
 vocabulary (V, or DV with a draft vocabulary, :mod:`components.drafters.vocab`). Knows nothing
 about drafter families, checkpoints or engines.
 """
