@@ -2,8 +2,8 @@
 ``--context``-token KV cache, for the transformers forward (``target.step: hf``) and the fast
 step (``fast``: static slab + our weight-streaming kernel) reading float32 panels
 (``target.step_weights: float32``) and reading the checkpoint's own Q4_1 / Q8_0 blocks
-(``auto``; and through the kernel built for each other instruction set the CPU runs, e.g. AVX2
-beside AVX-512, and with the AVX-512 build's other Q4_1 decoding), beside the floor measured in the same run: the seconds a pass needs to read every
+(``auto``; and through the kernel built for each other instruction set the CPU runs, e.g. AVX-512
+and AVX2 beside AMX, and with the AVX-512 build's other Q4_1 decoding), beside the floor measured in the same run: the seconds a pass needs to read every
 weight once, taken from a sum over a tensor of the bytes each reads (the bandwidth one pass can
 use at that thread count).
 
@@ -37,7 +37,7 @@ from components.config import SMOLLM2_TARGET, TargetConfig
 from components.engine.core import crop_cache
 from components.target import load_target
 from components.target.fast import StepTarget, kernel_gemm, step_target
-from components.target.kernels import Q41_DECODES, RowsGemm, isas
+from components.target.kernels import Q41_DECODES, RowsGemm, isas, q41_decode
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,7 +124,7 @@ def _steps(hf: Any, cfg: TargetConfig) -> tuple[dict[str, StepTarget], RowsGemm,
     steps = {"fast": step_target(hf, dataclasses.replace(cfg, step_weights="float32")), "blocks": step_target(hf, cfg)}
     assert all(isinstance(t, StepTarget) for t in steps.values()) and steps["blocks"].weight_formats != ("f32",)
     best = steps["blocks"].decoder.kernels
-    variants = [(isa, isa, "convert") for isa in isas() if isa != best.isa]
+    variants = [(isa, isa, q41_decode(isa)) for isa in isas() if isa != best.isa]  # each with its own decoding
     if best.isa == "avx512":
         variants = [(f"{best.isa} {q41}", best.isa, q41) for q41 in Q41_DECODES if q41 != best.q41] + variants
     for label, isa, q41 in variants:

@@ -222,7 +222,7 @@ class BlockIndex:
         return None
 
 
-NIBBLES = ("rows", "words")  # how a Q4_1 record lays out its 4-bit q (the kernel declares which it reads)
+NIBBLES = ("rows", "words", "amx")  # how a record lays out its q (the kernel declares which it reads)
 
 
 def pack_panels(blocks: Blocks, nibbles: str = "rows") -> Tensor:
@@ -230,7 +230,10 @@ def pack_panels(blocks: Blocks, nibbles: str = "rows") -> Tensor:
     record per 32 k: float32 d[16] (then m[16] for q4_1), then the 32 k's q: q8_0 16 bytes a k;
     q4_1 256 bytes, ``nibbles`` "rows" (rows_gemm_blocks.c) 8 bytes a k (byte j = q[row j] |
     q[row j + 8] << 4), "words" (rows_gemm_512.c) 64 bytes a group of 8 k (32-bit word j =
-    q[row j] of those k, 4 bits each, the first k lowest). → uint8 [ceil(N/16), K/32, record bytes]."""
+    q[row j] of those k, 4 bits each, the first k lowest), "amx" (rows_gemm_amx.c) the q as the
+    tile unit pairs them (tile row r = 32 values, element 2j + t = q[row j][2r + t]) in 8 lines of
+    32 bytes, byte i of line l = element i of tile row 2l | element i of tile row 2l + 1 << 4.
+    → uint8 [ceil(N/16), K/32, record bytes]."""
     if nibbles not in NIBBLES:
         raise ValueError(f"pack_panels: nibbles '{nibbles}' is not one of {list(NIBBLES)}")
     n, k = blocks.shape
@@ -241,7 +244,12 @@ def pack_panels(blocks: Blocks, nibbles: str = "rows") -> Tensor:
 
     q = torch.nn.functional.pad(blocks.q, (0, 0, 0, pad)).view(panels, PANEL, groups, BLOCK).permute(0, 2, 3, 1)
     parts = [per_record(blocks.d).view(torch.uint8)]  # [P, G, 64]
-    if blocks.format == "q4_1":
+    if blocks.format == "q4_1" and nibbles == "amx":
+        # [P, G, 32 k, 16 rows] → tile rows [P, G, 16, 32]: (k pair, row, k of the pair)
+        tiles = q.reshape(panels, groups, PANEL, 2, PANEL).permute(0, 1, 2, 4, 3).reshape(panels, groups, PANEL, 32)
+        parts.append(per_record(blocks.m).view(torch.uint8))
+        parts.append((tiles[:, :, 0::2] | (tiles[:, :, 1::2] << 4)).contiguous().view(panels, groups, 256))
+    elif blocks.format == "q4_1":
         parts.append(per_record(blocks.m).view(torch.uint8))
         if nibbles == "rows":
             packed = q[..., :PANEL // 2] | (q[..., PANEL // 2:] << 4)  # [P, G, 32, 8]

@@ -17,7 +17,11 @@
   registers: a pass reads 0.75 or 1.125 bytes a weight instead of 4 (``RowsGemm.pack_blocks``);
 * ``rows_gemm_512.c`` -- both packed products again for CPUs with AVX-512, built in place of the
   AVX2 ones there (``isa``): a 16-float register holds a whole panel line, so a row costs one FMA
-  a k, a Q4_1 line decodes without shuffles, and up to 16 rows share one read of each panel.
+  a k, a Q4_1 line decodes without shuffles, and up to 16 rows share one read of each panel;
+* ``rows_gemm_amx.c`` -- the Q4_1 products of wide passes (a prompt, many rows at once) on the
+  tile unit of CPUs with AMX (``isa`` "amx": the AVX-512 build with these in place of its Q4_1
+  products; passes of a few rows keep the vector tiles): float32 arithmetic carried exactly
+  through bfloat16 tiles (three pieces of each input, the blocks' integers).
 
 ``RowsGemm.build(dir, isa)`` compiles the source into ``dir`` once (keyed by the instruction set
 and a hash of the source and flags; written under a temporary name and renamed, so an interrupted build leaves nothing) and
@@ -31,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -44,12 +49,17 @@ import torch
 from torch import Tensor
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("rows_gemm.c", "rows_gemm_blocks.c", "rows_gemm_512.c", "layer.c"))
+SOURCES = tuple(HERE / name for name in ("rows_gemm.c", "rows_gemm_blocks.c", "rows_gemm_512.c", "rows_gemm_amx.c",
+                                         "layer.c"))
 HEADERS = (HERE / "vexp.h",)  # included by the sources (and by kernels elsewhere: -I this directory)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # per instruction set: the flags that add to FLAGS (avx512: rows_gemm_512.c's packed products in
 # place of the AVX2 ones); an AVX512 CPU (torch's name: AVX-512 F/BW/VL/DQ) can run either
-ISA_FLAGS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DROWS_GEMM_AVX512")}
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DROWS_GEMM_AVX512")
+# amx: rows_gemm_amx.c's block products in place of rows_gemm_512.c's (its float32 panels stay)
+ISA_FLAGS = {"avx2": (), "avx512": AVX512_FLAGS,
+             "amx": (*AVX512_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DROWS_GEMM_AMX")}
+AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")  # what /proc/cpuinfo declares where the "amx" build runs
 # AVX-512 only: how a Q4_1 weight becomes a float (rows_gemm_512.c): "permute" (a lookup in a table of
 # 0..15: fewer instructions, measured faster on an Intel Xeon, docs/results.md) or "convert" (mask
 # and convert, what the AMD EPYC host was tuned with); by the CPU's declared vendor (q41_decode)
@@ -68,8 +78,11 @@ def compiler() -> str | None:
 
 def isas() -> tuple[str, ...]:
     """The instruction sets the kernel can be built for on this CPU, as declared by torch's CPU
-    capability, best first (empty where none)."""
-    return CPU_ISAS.get(torch.backends.cpu.get_cpu_capability(), ())
+    capability (and, for "amx", the flags of ``/proc/cpuinfo``), best first (empty where none)."""
+    found = CPU_ISAS.get(torch.backends.cpu.get_cpu_capability(), ())
+    if "avx512" in found and set(AMX_FLAGS) <= set((cpuinfo("flags") or "").split()):
+        found = ("amx", *found)
+    return found
 
 
 def cpuinfo(field: str) -> str | None:
@@ -80,6 +93,14 @@ def cpuinfo(field: str) -> str | None:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), None)
     except OSError:
         return None
+
+
+def request_amx() -> bool:
+    """Asks Linux to let this process use the AMX tile unit (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``: from then on, in every thread; asking again is harmless); whether it may."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    return ctypes.CDLL(None).syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
 
 
 def q41_decode(isa: str) -> str:
@@ -158,7 +179,8 @@ class RowsGemm:
 
     def __init__(self, lib: ctypes.CDLL, path: Path, isa: str = "avx2", q41: str = "convert"):
         self.path, self.isa, self.q41 = path, isa, q41  # q41: its Q4_1 decoding (Q41_DECODES)
-        self.nibbles = "words" if isa == "avx512" else "rows"  # the Q4_1 layout it reads (blocks.pack_panels)
+        # the block records' layout it reads (blocks.pack_panels)
+        self.nibbles = {"avx512": "words", "amx": "amx"}.get(isa, "rows")
         gemm_args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fn, self._packed, self._pack = lib.rows_gemm, lib.rows_gemm_packed, lib.rows_gemm_pack
         self._fn.argtypes = self._packed.argtypes = gemm_args
@@ -182,13 +204,16 @@ class RowsGemm:
         why = why_unavailable()
         if why:
             raise KernelUnavailable(why)
-        isa = isa or isas()[0]
+        # the best the CPU declares; AMX's tiles where the OS lets this process use them
+        isa = isa or next(i for i in isas() if i != "amx" or request_amx())
         if isa not in isas():
             raise KernelUnavailable(f"the CPU offers {torch.backends.cpu.get_cpu_capability()}, not {isa}")
         q41 = q41 or q41_decode(isa)
         if q41 not in Q41_DECODES or (q41 != "convert" and isa != "avx512"):
             raise ValueError(f"rows_gemm: no Q4_1 decoding {q41!r} for {isa} (one of {sorted(Q41_DECODES)}, AVX-512 only)")
         path = build_library(directory, f"rows_gemm-{isa}", SOURCES, FLAGS + ISA_FLAGS[isa] + Q41_DECODES[q41])
+        if isa == "amx" and not request_amx():
+            raise KernelUnavailable("the OS does not let this process use AMX tiles (ARCH_REQ_XCOMP_PERM)")
         return cls(ctypes.CDLL(str(path)), path, isa, q41)
 
     def fma_rate(self, threads: int = 1, seconds: float = 0.2) -> float:

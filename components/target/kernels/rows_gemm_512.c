@@ -44,19 +44,32 @@
  *    cross-lane permute, which reads only the index's low 4 bits, so no mask and no conversion:
  *    4 vector instructions a line instead of 5, on cores whose 512-bit units are two ports;
  *  - else masked and converted: no shuffles (a Zen core runs few of those a cycle). */
-#ifdef Q41_PERMUTE
+#if defined(Q41_PERMUTE) || defined(ROWS_GEMM_AMX) /* the AMX build's layout is read by permutes */
 #define Q41_TABLE const __m512 iota_ = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
 #define Q41_FLOAT(v, i) _mm512_permutexvar_ps((i) ? _mm512_srli_epi32(v, 4 * (i)) : (v), iota_)
 #else
 #define Q41_TABLE const __m512i low_ = _mm512_set1_epi32(15);
 #define Q41_FLOAT(v, i) _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4 * (i)), low_))
 #endif
+#ifndef ROWS_GEMM_AMX
 #define q41_LINES(b, kk, w)                                                                     \
     {                                                                                           \
         const __m512i v_ = _mm512_loadu_si512((const void *)((b) + 128 + ((kk) >> 3) * 64));   \
         _Pragma("GCC unroll 8") for (int i_ = 0; i_ < 8; i_++)                                  \
             w[i_] = _mm512_fmadd_ps(Q41_FLOAT(v_, i_), d_, m_);                                 \
     }
+#else
+/* rows_gemm_amx.c's layout (blocks.pack_panels "amx"): row n's q of k = 4j + 2h + t sit in byte 2n + t
+ * of line j, nibble h; widened to 16 bits, 32-bit lane n holds them at bits 16t + 4h. */
+#define q41_LINES(b, kk, w)                                                                     \
+    _Pragma("GCC unroll 2") for (int j_ = 0; j_ < 2; j_++) {                                    \
+        const __m512i v_ = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)((b) + 128 + (((kk) >> 2) + j_) * 32))); \
+        w[4 * j_] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v_, iota_), d_, m_);                 \
+        w[4 * j_ + 1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v_, 16), iota_), d_, m_); \
+        w[4 * j_ + 2] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v_, 4), iota_), d_, m_); \
+        w[4 * j_ + 3] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v_, 20), iota_), d_, m_); \
+    }
+#endif
 
 #define q80_BYTES 576 /* float d[16], then 32 k x 16 int8 */
 #define q80_SCALES(b) const __m512 d_ = _mm512_load_ps((const float *)(b));
@@ -136,6 +149,10 @@ static inline void put(float *y, int64_t cols, __m512 v) {
     }
 
 GEMM(f32, rows_gemm_packed, K * NR * 4)
+#ifdef ROWS_GEMM_AMX /* a few rows on rows_gemm_amx.c's layout; that file's rows_gemm_q41 takes more */
+GEMM(q41, rows_gemm_q41_vector, (K >> 5) * q41_BYTES)
+#else
 GEMM(q41, rows_gemm_q41, (K >> 5) * q41_BYTES)
+#endif
 GEMM(q80, rows_gemm_q80, (K >> 5) * q80_BYTES)
 #endif

@@ -124,17 +124,26 @@ def test_find_refuses_what_it_cannot_reproduce(index, weights):
     assert index.find(a.double()) is None and index.find(a[:, :48]) is None
 
 
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory) -> Path:
+    """One directory for this module's builds: each build (ISA, decoding) is compiled once."""
+    return tmp_path_factory.mktemp("kernels")
+
+
 @needs_kernel
-@pytest.mark.parametrize("isa, q41", [(isa, q41) for isa in isas() for q41 in Q41_DECODES if isa == "avx512" or q41 == "convert"])
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("isa, q41, fmt", [(isa, q41, fmt) for isa in isas() for q41 in Q41_DECODES for fmt in ("q4_1", "q8_0")
+                                           if (isa == "avx512" or q41 == "convert")
+                                           and (isa != "amx" or fmt == "q4_1")])  # AMX's Q8_0: AVX-512's
 @pytest.mark.parametrize("k", [64, 96])
-def test_block_products_equal_the_float32_kernels(tmp_path_factory, isa, q41, fmt, k):
+def test_block_products_equal_the_float32_kernels(kernel_dir, isa, q41, fmt, k):
     """With the decoded weights: bit for bit where the tiles sum in the float32 kernel's order
     (AVX2: 1 and 4..6 rows; AVX-512: every row count, either Q4_1 decoding), else within float32
-    rounding; 45 and 77 weight rows (not multiples of 16)."""
-    kernel = RowsGemm.build(tmp_path_factory.mktemp("kernels"), isa, q41)
+    rounding (AMX, Q4_1: up to 12 rows the AVX-512 tiles, bit for bit; more on the tile unit, where
+    a row's bits do not depend on the rows beside it); 45 and 77 weight rows (not multiples of 16)."""
+    kernel = RowsGemm.build(kernel_dir, isa, q41)
     assert kernel.q41 == q41
-    same_order = range(1, 18) if isa == "avx512" else (1, 4, 5, 6)
+    amx_tiles = isa == "amx"
+    same_order = range(1, 13) if amx_tiles else range(1, 18) if isa in ("avx512", "amx") else (1, 4, 5, 6)
     gen = torch.Generator().manual_seed(k)
     for n in (45, 77):
         w = as_stored(torch.randn(n, k, generator=gen).numpy(), fmt)
@@ -152,8 +161,27 @@ def test_block_products_equal_the_float32_kernels(tmp_path_factory, isa, q41, fm
                 if rows in same_order:
                     assert torch.equal(got, want), (rows, threads)
                 torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-4)
-                if rows > BLOCK_ROWS:  # longer passes read the float32 panels
+                if amx_tiles and rows > 13:  # on the tile unit: the first 13 rows' bits as in a pass of 13
+                    assert torch.equal(got[:13], kernel.linear(x[:13], only_blocks, threads))
+                if rows > BLOCK_ROWS and packed.dense is not None:  # AVX2's longer passes read the float32 panels
                     assert torch.equal(kernel.linear(x, packed, threads), want)
+
+
+@pytest.mark.skipif("amx" not in isas(), reason="the CPU declares no AMX tiles")
+def test_amx_block_products_carry_float32_arithmetic(kernel_dir):
+    """Three bfloat16 pieces of each input and Q4_1's integers through the tile unit: the error
+    against a float64 product is float32's (under 1e-6 of sum |x w|; a lost piece is 1e-5), no
+    larger than the AVX-512 kernel's, at 13..40 rows (blocks of 16 and the rest)."""
+    amx, avx512 = RowsGemm.build(kernel_dir, "amx"), RowsGemm.build(kernel_dir, "avx512")
+    gen = torch.Generator().manual_seed(3)
+    w = as_stored(torch.randn(70, 256, generator=gen).numpy(), "q4_1")
+    blocks = BlockIndex([_blocks_of(w, "q4_1")]).find(w)
+    for rows in (13, 16, 40):
+        x = torch.randn(rows, 256, generator=gen) * torch.logspace(-3, 3, 256)[torch.randperm(256, generator=gen)]
+        exact, scale = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
+        errors = [float(((k.linear(x, k.pack_blocks(blocks, w), 2).double() - exact).abs() / scale).max())
+                  for k in (amx, avx512)]
+        assert errors[0] < 1e-6 and errors[0] <= 2 * errors[1], (rows, errors)
 
 
 @needs_kernel
@@ -208,6 +236,10 @@ def test_pack_panels_layout():
         got = words[0, 0, 128 + 64 * group:192 + 64 * group].view(torch.int32).tolist()
         assert got == [sum(int(q[j, 8 * group + i]) << 4 * i for i in range(8)) - (1 << 32) * (q[j, 8 * group + 7] >= 8)
                        for j in range(16)]
+    tiles = pack_panels(Blocks("q4_1", q, d, m), nibbles="amx")  # tile row r, element 2j + t = q[j, 2r + t]
+    assert torch.equal(tiles[..., :128], out[..., :128])
+    line = tiles[0, 0, 128 + 32 * 3:160 + 32 * 3]  # line 3: tile rows 6 (low nibbles) and 7 (high)
+    assert line.tolist() == [int(q[i // 2, 12 + i % 2]) | int(q[i // 2, 14 + i % 2]) << 4 for i in range(32)]
     with pytest.raises(ValueError, match="nibbles"):
         pack_panels(Blocks("q4_1", q, d, m), nibbles="bytes")
 
