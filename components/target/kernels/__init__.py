@@ -56,7 +56,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # per instruction set: the flags that add to FLAGS (avx512: rows_gemm_512.c's packed products in
 # place of the AVX2 ones); an AVX512 CPU (torch's name: AVX-512 F/BW/VL/DQ) can run either
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DROWS_GEMM_AVX512")
-# amx: rows_gemm_amx.c's block products in place of rows_gemm_512.c's (its float32 panels stay)
+# amx: rows_gemm_amx.c's Q4_1 products in place of rows_gemm_512.c's (its float32 panels and Q8_0 stay)
 ISA_FLAGS = {"avx2": (), "avx512": AVX512_FLAGS,
              "amx": (*AVX512_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DROWS_GEMM_AMX")}
 AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")  # what /proc/cpuinfo declares where the "amx" build runs
@@ -199,13 +199,18 @@ class RowsGemm:
 
     @classmethod
     def build(cls, directory: Path, isa: str | None = None, q41: str | None = None) -> RowsGemm:
-        """Compiled for ``isa`` (default: the best this CPU declares, ``isas()``) into ``directory``;
-        ``q41``: the AVX-512 build's Q4_1 decoding (``Q41_DECODES``; default ``q41_decode(isa)``)."""
+        """Compiled for ``isa`` (default: the best this CPU declares, ``isas()``; AVX-512 where the
+        "amx" build cannot be built or the OS refuses the tiles) into ``directory``; ``q41``: the
+        AVX-512 build's Q4_1 decoding (``Q41_DECODES``; default ``q41_decode(isa)``)."""
         why = why_unavailable()
         if why:
             raise KernelUnavailable(why)
-        # the best the CPU declares; AMX's tiles where the OS lets this process use them
-        isa = isa or next(i for i in isas() if i != "amx" or request_amx())
+        if isa is None and isas()[0] == "amx":  # AMX's tiles where the OS and the compiler allow them
+            try:
+                return cls.build(directory, "amx", q41)
+            except KernelUnavailable:
+                isa = "avx512"
+        isa = isa or isas()[0]
         if isa not in isas():
             raise KernelUnavailable(f"the CPU offers {torch.backends.cpu.get_cpu_capability()}, not {isa}")
         q41 = q41 or q41_decode(isa)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from components.engine import SpeculativeEngine, SuffixDrafter, target_only_generate
+from components.target import kernels
 from components.target.blocks import (
     BlockIndex,
     Blocks,
@@ -27,6 +28,7 @@ from components.target.hf import TargetError
 from components.target.kernels import (
     BLOCK_ROWS,
     Q41_DECODES,
+    KernelUnavailable,
     RowsGemm,
     isas,
     q41_decode,
@@ -182,6 +184,15 @@ def test_amx_block_products_carry_float32_arithmetic(kernel_dir):
         errors = [float(((k.linear(x, k.pack_blocks(blocks, w), 2).double() - exact).abs() / scale).max())
                   for k in (amx, avx512)]
         assert errors[0] < 1e-6 and errors[0] <= 2 * errors[1], (rows, errors)
+
+
+@pytest.mark.skipif("amx" not in isas(), reason="the CPU declares no AMX tiles")
+def test_the_default_build_is_avx512_where_the_os_refuses_amx_tiles(kernel_dir, monkeypatch):
+    assert RowsGemm.build(kernel_dir).isa == "amx"
+    monkeypatch.setattr(kernels, "request_amx", lambda: False)
+    assert RowsGemm.build(kernel_dir).isa == "avx512"
+    with pytest.raises(KernelUnavailable, match="AMX tiles"):
+        RowsGemm.build(kernel_dir, "amx")
 
 
 @needs_kernel
