@@ -282,15 +282,15 @@ def test_a_step_reading_blocks_decodes_as_the_target(tiny_target_cfg, stored_tar
     assert "q4_1 blocks" in lines[0] and "q4_1/q8_0 blocks" in fast.forward_kind
     plain = step_target(stored_target, dataclasses.replace(cfg, step_weights="float32"), taps=taps)
     assert plain.weight_formats == ("f32",) and "blocks" not in plain.forward_kind
-    ids = torch.tensor([prompts(stored_target)[0] * 3], dtype=torch.long)[:, :30]
+    ids = torch.tensor([prompts(stored_target)[0] * 8], dtype=torch.long)[:, :48]
     out, ref = fast.forward(ids[:, :24], use_cache=True), plain.forward(ids[:, :24], use_cache=True)
-    for count in (1, 3, 6):  # verify passes: the same logits as the float32 step's
+    for count in (1, 3, 6, 16, 24):  # verify passes (and wide ones: AMX tiles where declared), as float32's
         got = fast.forward(ids[:, 24:24 + count], cache=out.cache, use_cache=True).logits
         want = plain.forward(ids[:, 24:24 + count], cache=ref.cache, use_cache=True).logits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         out.cache.crop(24), ref.cache.crop(24)
     drafters = [random_drafter(stored_target, "dspark"), SuffixDrafter(stored_target.vocab_size, 8)]
-    for prompt in prompts(stored_target):
+    for prompt in [*prompts(stored_target), prompts(stored_target)[2] * 3]:  # the last one's prefill is wide
         want = target_only_generate(stored_target, prompt, MAX_NEW).tokens  # the transformers forward
         assert target_only_generate(fast, prompt, MAX_NEW).tokens == want
         for drafter in drafters:
