@@ -244,14 +244,12 @@ def pack_panels(blocks: Blocks, nibbles: str = "rows") -> Tensor:
 
     q = torch.nn.functional.pad(blocks.q, (0, 0, 0, pad)).view(panels, PANEL, groups, BLOCK).permute(0, 2, 3, 1)
     parts = [per_record(blocks.d).view(torch.uint8)]  # [P, G, 64]
-    if blocks.format == "q4_1" and nibbles == "amx":
-        # [P, G, 32 k, 16 rows] → tile rows [P, G, 16, 32]: (k pair, row, k of the pair)
-        tiles = q.reshape(panels, groups, PANEL, 2, PANEL).permute(0, 1, 2, 4, 3).reshape(panels, groups, PANEL, 32)
+    if blocks.format == "q4_1":
         parts.append(per_record(blocks.m).view(torch.uint8))
-        parts.append((tiles[:, :, 0::2] | (tiles[:, :, 1::2] << 4)).contiguous().view(panels, groups, 256))
-    elif blocks.format == "q4_1":
-        parts.append(per_record(blocks.m).view(torch.uint8))
-        if nibbles == "rows":
+        if nibbles == "amx":  # [P, G, 32 k, 16 rows] → tile rows [P, G, 16, 32]: (k pair, row, k of the pair)
+            tiles = q.reshape(panels, groups, PANEL, 2, PANEL).permute(0, 1, 2, 4, 3).reshape(panels, groups, PANEL, 32)
+            packed = tiles[:, :, 0::2] | (tiles[:, :, 1::2] << 4)  # [P, G, 8 lines, 32]
+        elif nibbles == "rows":
             packed = q[..., :PANEL // 2] | (q[..., PANEL // 2:] << 4)  # [P, G, 32, 8]
         else:  # [P, G, 4 groups, 16 rows, 4 bytes]: byte b of word j = q[j][2b] | q[j][2b + 1] << 4
             per_row = q.reshape(panels, groups, 4, 8, PANEL).transpose(3, 4)  # [P, G, 4, 16, 8]

@@ -58,8 +58,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DROWS_GEMM_AVX512")
 # amx: rows_gemm_amx.c's Q4_1 products in place of rows_gemm_512.c's (its float32 panels and Q8_0 stay)
 ISA_FLAGS = {"avx2": (), "avx512": AVX512_FLAGS,
-             "amx": (*AVX512_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DROWS_GEMM_AMX")}
-AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")  # what /proc/cpuinfo declares where the "amx" build runs
+             "amx": (*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-DROWS_GEMM_AMX")}
+AMX_FLAGS = ("amx_tile", "amx_bf16")  # what /proc/cpuinfo declares where the "amx" build runs
 # AVX-512 only: how a Q4_1 weight becomes a float (rows_gemm_512.c): "permute" (a lookup in a table of
 # 0..15: fewer instructions, measured faster on an Intel Xeon, docs/results.md) or "convert" (mask
 # and convert, what the AMD EPYC host was tuned with); by the CPU's declared vendor (q41_decode)
@@ -216,9 +216,9 @@ class RowsGemm:
         q41 = q41 or q41_decode(isa)
         if q41 not in Q41_DECODES or (q41 != "convert" and isa != "avx512"):
             raise ValueError(f"rows_gemm: no Q4_1 decoding {q41!r} for {isa} (one of {sorted(Q41_DECODES)}, AVX-512 only)")
-        path = build_library(directory, f"rows_gemm-{isa}", SOURCES, FLAGS + ISA_FLAGS[isa] + Q41_DECODES[q41])
-        if isa == "amx" and not request_amx():
+        if isa == "amx" and not request_amx():  # asked before building: a refusal builds nothing
             raise KernelUnavailable("the OS does not let this process use AMX tiles (ARCH_REQ_XCOMP_PERM)")
+        path = build_library(directory, f"rows_gemm-{isa}", SOURCES, FLAGS + ISA_FLAGS[isa] + Q41_DECODES[q41])
         return cls(ctypes.CDLL(str(path)), path, isa, q41)
 
     def fma_rate(self, threads: int = 1, seconds: float = 0.2) -> float:

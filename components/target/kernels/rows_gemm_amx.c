@@ -81,22 +81,25 @@ static void split(const float *x, int64_t ldx, int64_t R, int64_t K, uint16_t *x
         }
 }
 
-/* one record's weights → the 16 x 32 bfloat16 tile at t */
+/* one record's weights → the 16 x 32 bfloat16 tile t (q looked up in ``table``: 0..15 as bfloat16) */
 #define q41_BYTES 384
-#define q41_DECODE(rec, t)                                                                     \
-    for (int j_ = 0; j_ < 8; j_++) {                                                            \
-        __m512i w_ = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)((rec) + 128 + j_ * 32))); \
-        _mm512_store_si512((__m512i *)((t) + 64 * j_), _mm512_permutexvar_epi16(_mm512_and_si512(w_, low), nibble)); \
-        _mm512_store_si512((__m512i *)((t) + 64 * j_ + 32), _mm512_permutexvar_epi16(_mm512_srli_epi16(w_, 4), nibble)); \
+static inline void decode(const uint8_t *rec, uint16_t *t, __m512i table) {
+    const __m512i low = _mm512_set1_epi16(15);
+    for (int j = 0; j < 8; j++) {
+        __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(rec + 128 + j * 32)));
+        _mm512_store_si512((__m512i *)(t + 64 * j), _mm512_permutexvar_epi16(_mm512_and_si512(w, low), table));
+        _mm512_store_si512((__m512i *)(t + 64 * j + 32), _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
     }
-/* a record's sum (tile row r of c) scaled into acc: q41 adds m times the record's sum of x */
-#define q41_SCALE(rec, c, acc)                                                                  \
-    {                                                                                           \
-        const __m512 d_ = _mm512_load_ps((const float *)(rec)), m_ = _mm512_load_ps((const float *)(rec) + 16); \
-        for (int r = 0; r < R; r++)                                                             \
-            acc[r] = _mm512_fmadd_ps(_mm512_load_ps((c) + 16 * r), d_,                         \
-                                     _mm512_fmadd_ps(m_, _mm512_set1_ps(sxg[r]), acc[r])); \
-    }
+}
+
+/* a record's tile sums c (row r: 16 floats) scaled into acc: d times the sum plus m times the
+ * record's sum of that row's x (sxg) */
+static inline void scale(const uint8_t *rec, const float *c, const float *sxg, int64_t R, __m512 *acc) {
+    const __m512 d = _mm512_load_ps((const float *)rec), m = _mm512_load_ps((const float *)rec + 16);
+    for (int64_t r = 0; r < R; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * r), d, _mm512_fmadd_ps(m, _mm512_set1_ps(sxg[r]), acc[r]));
+}
+
 static inline void put_rows(float *y, int64_t ldy, int64_t R, int64_t cols, const __m512 *acc) {
     __mmask16 keep = (__mmask16)((1u << cols) - 1);
     for (int64_t r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
@@ -126,8 +129,8 @@ static inline void record_pair(const uint16_t *wa, const uint16_t *wb, const uin
         _tile_dpbf16ps(1, 2, 6);
         _tile_stored(1, sums[1], 64);
     }
-    q41_SCALE(r0, sums[0], acc0)
-    if (wb) q41_SCALE(r1, sums[1], acc1)
+    scale(r0, sums[0], sxg, R, acc0);
+    if (wb) scale(r1, sums[1], sxg, R, acc1);
 }
 
 /* x [M, K], panels [ceil(N/16)][K/32][record], y [M, N]. Up to VECTOR_ROWS rows: the AVX-512
@@ -151,7 +154,7 @@ void rows_gemm_q41(const float *x, const void *panels, float *y, int64_t M, int6
         __attribute__((aligned(64))) uint16_t wt[2][16 * 32];
         __attribute__((aligned(64))) float sums[2][16 * 16];
         uint16_t *decoded = blocks > 1 ? aligned_alloc(64, (size_t)G * 2 * 1024) : NULL;
-        const __m512i low = _mm512_set1_epi16(15), nibble = _mm512_set_epi16(
+        const __m512i nibble = _mm512_set_epi16(
             0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140,
             0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0);
         #pragma omp for schedule(static)
@@ -161,10 +164,10 @@ void rows_gemm_q41(const float *x, const void *panels, float *y, int64_t M, int6
             if (decoded)
                 for (int64_t g = 0; g < G; g++) {
                     _mm_prefetch((const char *)p0 + (g + AHEAD_RECORDS) * q41_BYTES, _MM_HINT_T0);
-                    q41_DECODE(p0 + g * q41_BYTES, decoded + g * 1024)
+                    decode(p0 + g * q41_BYTES, decoded + g * 1024, nibble);
                     if (two) {
                         _mm_prefetch((const char *)p1 + (g + AHEAD_RECORDS) * q41_BYTES, _MM_HINT_T0);
-                        q41_DECODE(p1 + g * q41_BYTES, decoded + g * 1024 + 512)
+                        decode(p1 + g * q41_BYTES, decoded + g * 1024 + 512, nibble);
                     }
                 }
             for (int64_t b = 0; b < blocks; b++) {
@@ -178,10 +181,10 @@ void rows_gemm_q41(const float *x, const void *panels, float *y, int64_t M, int6
                     const uint16_t *wa = decoded ? decoded + g * 1024 : wt[0], *wb = decoded ? wa + 512 : wt[1];
                     if (!decoded) {
                         _mm_prefetch((const char *)r0 + AHEAD_RECORDS * q41_BYTES, _MM_HINT_T0);
-                        q41_DECODE(r0, wt[0])
+                        decode(r0, wt[0], nibble);
                         if (two) {
                             _mm_prefetch((const char *)r1 + AHEAD_RECORDS * q41_BYTES, _MM_HINT_T0);
-                            q41_DECODE(r1, wt[1])
+                            decode(r1, wt[1], nibble);
                         }
                     }
                     record_pair(wa, two ? wb : NULL, xa + b * piece + g * 3 * TILE_ROWS * 32, sxb + g * TILE_ROWS, r0, r1, R,
