@@ -16,9 +16,11 @@
  *
  * The weights come packed in panels of 16 rows, each product's in its own format (`formats`:
  * float32 panels, rows_gemm.c; or the checkpoint's Q4_1 / Q8_0 blocks, rows_gemm_blocks.c; on AVX-512 CPUs
- * rows_gemm_512.c's); attention runs one (head, token) per OpenMP iteration, 8 keys at a time,
- * its exponentials (and SiLU's) by a vectorized expf within 2 ulp. Same arithmetic as the torch
- * path in float32, summed in another order.
+ * rows_gemm_512.c's); attention runs one (token, key/value head) per OpenMP iteration, its
+ * query heads together over each key and value row (one (token, head) where a one-row step has
+ * fewer such units than twice the threads), 8 keys at a time, its exponentials (and SiLU's) by a
+ * vectorized expf within 2 ulp; a query's bits are the same either way. Same arithmetic as the
+ * torch path in float32, summed in another order.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -87,16 +89,17 @@ static inline void scores8(const float *q, const float *keys, int64_t d, float s
     _mm256_storeu_ps(s, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
 }
 
-/* One query q [d] over keys/values ks/vs [n, d] → out [d] = softmax(q kᵀ scale) v; sc: n floats
- * of scratch. Vectorized for d % 8 == 0 (8 keys a time, exp8, the values summed 64 dims at a time). */
-static void attend(const float *q, const float *ks, const float *vs, int64_t n, int64_t d, float scale,
-                   float *sc, float *out) {
-    int64_t j = 0;
-    if (d % 8 == 0)
-        for (; j + 8 <= n; j += 8) scores8(q, ks + j * d, d, scale, sc + j);
-    for (; j < n; j++) sc[j] = dot(q, ks + j * d, d) * scale;
+/* sc [n] scores → their softmax's numerators e^(s - max) in place; returns 1 / Σ (the caller scales). */
+static inline float softmax_numerators(float *sc, int64_t n) {
+    int64_t j;
     float top = -INFINITY, sum = 0.f;
-    for (j = 0; j < n; j++) top = sc[j] > top ? sc[j] : top;
+    __m256 tops = _mm256_set1_ps(-INFINITY);  /* exact in any order (a NaN score makes the output NaN either way) */
+    for (j = 0; j + 8 <= n; j += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(sc + j));
+    for (; j < n; j++) top = sc[j] > top ? sc[j] : top;
+    __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(tops), _mm256_extractf128_ps(tops, 1));
+    t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+    t4 = _mm_max_ss(t4, _mm_shuffle_ps(t4, t4, 1));
+    top = _mm_cvtss_f32(t4) > top ? _mm_cvtss_f32(t4) : top;
     __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
     for (j = 0; j + 8 <= n; j += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), shift));
@@ -105,28 +108,75 @@ static void attend(const float *q, const float *ks, const float *vs, int64_t n, 
     }
     for (; j < n; j++) sum += (sc[j] = exp1(sc[j] - top));
     sum += hsum8(total);
-    float inv = 1.f / sum;
-    if (d % 8 != 0) {
-        memset(out, 0, sizeof(float) * d);
-        for (j = 0; j < n; j++)
-            for (int64_t i = 0; i < d; i++) out[i] += sc[j] * vs[j * d + i];
-        for (int64_t i = 0; i < d; i++) out[i] *= inv;
-        return;
-    }
-    for (int64_t i0 = 0; i0 < d; i0 += 64) { /* 64 dims at a time in 8 registers, the value rows streamed in order */
+    return 1.f / sum;
+}
+
+/* G queries q [G, d] (the query heads sharing one key/value head) over keys/values ks/vs [n, d]
+ * → out [G, d] = softmax(q kᵀ scale) v; sc: G rows of `span` ≥ n floats of scratch. Each key
+ * and value row is loaded once for all G queries (it is read from memory once, not G times);
+ * every query's arithmetic is the one-query order (8 keys at a time, exp8, values summed 64
+ * dims at a time), so its result is bit for bit what it would be alone. G is a constant where
+ * this is inlined (the accumulators stay in registers); d % 8 == 0. */
+static inline __attribute__((always_inline)) void attend_group(const float *q, const float *ks, const float *vs,
+                                                               int64_t n, int64_t d, float scale, const int G,
+                                                               int64_t span, float *sc, float *out) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)  /* the 8 keys stay in L1 across the G queries */
+        for (int g = 0; g < G; g++) scores8(q + g * d, ks + j * d, d, scale, sc + g * span + j);
+    for (; j < n; j++)
+        for (int g = 0; g < G; g++) sc[g * span + j] = dot(q + g * d, ks + j * d, d) * scale;
+    float inv[4];
+    for (int g = 0; g < G; g++) inv[g] = softmax_numerators(sc + g * span, n);
+    for (int64_t i0 = 0; i0 < d; i0 += 64) {
         int64_t width = d - i0 < 64 ? (d - i0) / 8 : 8;
-        __m256 a[8];
-        for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+        __m256 a[4][8];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 8; c++) a[g][c] = _mm256_setzero_ps();
         for (j = 0; j < n; j++) {
             const float *v = vs + j * d + i0;
-            __m256 p = _mm256_set1_ps(sc[j]);
-            if (width == 8)
-                for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[c]);
-            else
-                for (int c = 0; c < width; c++) a[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), a[c]);
+            if (width == 8) {
+                for (int c = 0; c < 8; c++) {
+                    __m256 vc = _mm256_loadu_ps(v + 8 * c);
+                    for (int g = 0; g < G; g++) a[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(sc[g * span + j]), vc, a[g][c]);
+                }
+            } else {
+                for (int c = 0; c < width; c++) {
+                    __m256 vc = _mm256_loadu_ps(v + 8 * c);
+                    for (int g = 0; g < G; g++) a[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(sc[g * span + j]), vc, a[g][c]);
+                }
+            }
         }
-        for (int c = 0; c < width; c++) _mm256_storeu_ps(out + i0 + 8 * c, _mm256_mul_ps(a[c], _mm256_set1_ps(inv)));
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < width; c++)
+                _mm256_storeu_ps(out + g * d + i0 + 8 * c, _mm256_mul_ps(a[g][c], _mm256_set1_ps(inv[g])));
     }
+}
+
+/* One query q [d] over keys/values ks/vs [n, d] → out [d] = softmax(q kᵀ scale) v; sc: n floats
+ * of scratch. Vectorized for d % 8 == 0 (8 keys a time, exp8, the values summed 64 dims at a time). */
+static void attend(const float *q, const float *ks, const float *vs, int64_t n, int64_t d, float scale,
+                   float *sc, float *out) {
+    if (d % 8 == 0) {
+        attend_group(q, ks, vs, n, d, scale, 1, n, sc, out);
+        return;
+    }
+    for (int64_t j = 0; j < n; j++) sc[j] = dot(q, ks + j * d, d) * scale;
+    float inv = softmax_numerators(sc, n);
+    memset(out, 0, sizeof(float) * d);
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < d; i++) out[i] += sc[j] * vs[j * d + i];
+    for (int64_t i = 0; i < d; i++) out[i] *= inv;
+}
+
+/* The `group` query heads of key/value head `kv`, one row: attend_group with G a constant where
+ * the model's grouping allows (2, 3, 4 heads a key/value head), else one head at a time. */
+static void attend_heads(const float *q, const float *ks, const float *vs, int64_t n, int64_t d, float scale,
+                         int64_t group, int64_t span, float *sc, float *out) {
+    if (d % 8 == 0 && group == 2) attend_group(q, ks, vs, n, d, scale, 2, span, sc, out);
+    else if (d % 8 == 0 && group == 3) attend_group(q, ks, vs, n, d, scale, 3, span, sc, out);
+    else if (d % 8 == 0 && group == 4) attend_group(q, ks, vs, n, d, scale, 4, span, sc, out);
+    else
+        for (int64_t g = 0; g < group; g++) attend(q + g * d, ks, vs, n, d, scale, sc + g * span, out + g * d);
 }
 
 /* rotate_half RoPE on one head vector v [d] at table row c/s [d] */
@@ -172,12 +222,22 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
             memcpy(vc + at, row + (hq + hkv + g) * d, sizeof(float) * d);
         }
     }
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t it = 0; it < hq * T; it++) {
-        int64_t head = it / T, t = it % T, n = upto[t] + 1;
-        const float *q = qkv + t * width + head * d;
-        const float *ks = kc + (seq[t] * hkv + head / group) * S * d, *vs = vc + (seq[t] * hkv + head / group) * S * d;
-        attend(q, ks, vs, n, d, scale, scores + it * span, att + t * hq * d + head * d);
+    if (T * hkv >= 2 * threads) {  /* (row, key/value head) units: a head's keys and values read once per row */
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t it = 0; it < hkv * T; it++) {
+            int64_t kv = it / T, t = it % T, n = upto[t] + 1;
+            const float *ks = kc + (seq[t] * hkv + kv) * S * d, *vs = vc + (seq[t] * hkv + kv) * S * d;
+            attend_heads(qkv + t * width + kv * group * d, ks, vs, n, d, scale, group, span,
+                         scores + it * group * span, att + t * hq * d + kv * group * d);
+        }
+    } else {  /* too few units for the threads (a one-row step): one (head, row) at a time */
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t it = 0; it < hq * T; it++) {
+            int64_t head = it / T, t = it % T, n = upto[t] + 1;
+            const float *q = qkv + t * width + head * d;
+            const float *ks = kc + (seq[t] * hkv + head / group) * S * d, *vs = vc + (seq[t] * hkv + head / group) * S * d;
+            attend(q, ks, vs, n, d, scale, scores + it * span, att + t * hq * d + head * d);
+        }
     }
     gemm(formats[1], att, wo, tmp, T, hq * d, H, threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];

@@ -246,6 +246,29 @@ def test_attention_of_every_group_size_equals_transformers(tiny_target, kernel, 
                                rtol=1e-4, atol=1e-4)
 
 
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 2), (8, 2)])  # 3, 2 and 4 query heads per kv head
+def test_attention_by_kv_head_gives_the_bits_of_one_head_at_a_time(tiny_target, kernel, heads, kv_heads):
+    """A pass with enough rows attends per (row, kv head), reading the kv head's keys and values
+    once for all its query heads; a one-row pass on more threads than that gives units attends
+    per (row, head). Both do each query's arithmetic in the one-head order, so the logits are the
+    same bits either way (the GEMMs' bits do not depend on the thread count)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(heads)
+    config = LlamaConfig(vocab_size=96, hidden_size=64 * heads // 2, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
+                         max_position_embeddings=128, tie_word_embeddings=False)
+    target = Target(LlamaForCausalLM(config).float().eval(), tiny_target.tokenizer, f"random-llama-{heads}-{kv_heads}")
+    fast = StepTarget(target, (), 128, KernelGemm(kernel), kernel)
+    cache = fast.new_cache()
+    fast.forward(torch.randint(0, 96, (1, 37)), cache=cache, use_cache=True)  # 37 keys: 4 blocks of 8 and a tail
+    row = (torch.tensor([5]), torch.tensor([0]), torch.tensor([37]))
+    by_kv_head = fast.decoder.forward_rows(*row, cache.k, cache.v, threads=1)[0]  # 1 row x 2 kv heads >= 2 x 1
+    by_head = fast.decoder.forward_rows(*row, cache.k, cache.v, threads=2)[0]  # 2 units < 2 x 2 threads
+    assert torch.equal(by_kv_head, by_head)
+
+
 def test_last_logits_are_the_last_row_of_the_full_pass(tiny_target, fast):
     """A prefill asks for its last position's logits only (both targets), and they are the full
     pass's last row."""
