@@ -8,8 +8,8 @@ held-out prompts of the embedded target (``--prompts`` per set: HumanEval, chat,
 ``--passes`` times over the same prompts (a prompt's own earlier response is dropped before it
 runs again). Every output is checked equal to plain greedy decoding. Then prints what the
 drafter's ``MatchCalibration`` counted: per cell (the match length the draft tokens were read
-after, which tree, the tree's own count ratio for them: what the confidences were before they
-were learned) how many tokens its candidates predicted and how many the committed ids
+after, which tree, the tree's own count ratio for them and how many occurrences it was read
+over: what the confidences were before they were learned) how many tokens its candidates predicted and how many the committed ids
 confirmed; then per match length over every cell. Nothing is asserted; the table is the
 measurement.
 """
@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from components.config import EvalConfig, TargetConfig
 from components.engine import SpeculativeEngine, suffix_drafter, target_only_generate
-from components.engine.match_calibration import DEPTH_EDGES, RATIO_EDGES
+from components.engine.match_calibration import DEPTH_EDGES, OCCURRENCE_EDGES, RATIO_EDGES
 from components.evaluation.prompts import eval_prompts
 from components.spec.sampling import GREEDY
 from components.target import load_target
@@ -74,10 +74,12 @@ def main() -> None:
     cal = drafter.calibration
     print(f"{len(prompts)} prompts x {args.new_tokens} tokens x {args.passes} passes, greedy, lossless; "
           f"ratio buckets: < {RATIO_EDGES[0]}, < {RATIO_EDGES[1]}, about 1")
-    print(f"{'match':>6} {'tree':>7} {'ratio':>6} {'predicted':>9} {'confirmed':>9} {'rate':>6}")
-    for (depth, ratio, shared), (hits, trials) in cal.table().items():
+    occurrences = [f"{lo}" if hi == lo + 1 else f"{lo}+" if hi is None else f"{lo}-{hi - 1}"
+                   for lo, hi in zip(OCCURRENCE_EDGES, [*OCCURRENCE_EDGES[1:], None])]
+    print(f"{'match':>6} {'tree':>7} {'ratio':>6} {'seen':>5} {'predicted':>9} {'confirmed':>9} {'rate':>6}")
+    for (depth, ratio, shared, seen), (hits, trials) in cal.table().items():
         print(f"{depth_label(depth):>6} {'global' if shared else 'request':>7} {['<.5', '.5-1', '~1'][ratio]:>6} "
-              f"{trials:9d} {hits:9d} {hits / trials:6.2f}")
+              f"{occurrences[seen]:>5} {trials:9d} {hits:9d} {hits / trials:6.2f}")
     print("by match length (every tree and ratio):")
     for depth in range(len(DEPTH_EDGES)):
         cells = [(h, n) for c, (h, n) in cal.table().items() if c[0] == depth]

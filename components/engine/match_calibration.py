@@ -9,9 +9,11 @@ loses, and its per-position calibration then scales every confidence down alike,
 drafts where drafting pays.
 
 ``MatchCalibration`` keeps, per *cell* -- the match length the token was read at (bucketed by
-``DEPTH_EDGES``), its count ratio (bucketed by ``RATIO_EDGES``), and which tree it came from (the
-request's own or the global one) -- how many such tokens were predicted and how many the
-request's committed ids then confirmed, and turns a draft's count conditionals c_k into
+``DEPTH_EDGES``), its count ratio (bucketed by ``RATIO_EDGES``), which tree it came from (the
+request's own or the global one), and how many occurrences the ratio was read over (bucketed by
+``OCCURRENCE_EDGES``: a continuation seen once in the global tree is right far less often than
+one seen ten times, both at ratio 1; docs/results.md) -- how many such tokens were predicted and
+how many the request's committed ids then confirmed, and turns a draft's count conditionals c_k into
 estimates of each token's chance of acceptance given the tokens before it were accepted::
 
     estimate_k = (hits(cell_k) + w · c_k) / (trials(cell_k) + w)        w = ``prior_weight``
@@ -34,15 +36,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEPTH_EDGES = (1, 2, 3, 4, 5, 7, 10, 16)  # match-length buckets: [1], [2], [3], [4], [5, 6], [7, 9], [10, 15], [16, ∞)
-RATIO_EDGES = (0.5, 0.999)  # count-ratio buckets: below 0.5, [0.5, 0.999), about 1 (a continuation seen once)
+RATIO_EDGES = (0.5, 0.999)  # count-ratio buckets: below 0.5, [0.5, 0.999), about 1 (one continuation seen)
+OCCURRENCE_EDGES = (1, 2, 4, 10)  # occurrences behind the ratio: [1], [2, 3], [4, 9], [10, ∞)
 PENDING_PER_OWNER = 64  # unsettled checks kept per request (a request that stops committing drops the oldest)
 
-Cell = tuple[int, int, int]  # (depth bucket, ratio bucket, tree: 0 the request's, 1 the global one)
+Cell = tuple[int, int, int, int]  # (depth bucket, ratio bucket, tree: 0 the request's, 1 the global one, occurrences bucket)
 
 
-def cell_of(depth: int, ratio: float, shared: bool) -> Cell:
-    """The cell of a token read after a match of ``depth`` tokens at count ratio ``ratio``."""
-    return (max(0, bisect.bisect_right(DEPTH_EDGES, depth) - 1), bisect.bisect_right(RATIO_EDGES, ratio), int(shared))
+def cell_of(depth: int, ratio: float, shared: bool, occurrences: int) -> Cell:
+    """The cell of a token read after a match of ``depth`` tokens at count ratio ``ratio``, over
+    ``occurrences`` occurrences of that match that went on."""
+    return (max(0, bisect.bisect_right(DEPTH_EDGES, depth) - 1), bisect.bisect_right(RATIO_EDGES, ratio), int(shared),
+            max(0, bisect.bisect_right(OCCURRENCE_EDGES, occurrences) - 1))
 
 
 @dataclass

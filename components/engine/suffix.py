@@ -33,9 +33,10 @@ The trie itself (``suffix_tree.SuffixTree``) is exact and lazily stored; its mod
 
 Proposals are one-hot q (``model_free.one_hot_proposal``), as prompt lookup's. Each draft's
 confidence (read by the adaptive cap as a confidence head's) is its estimated acceptance given
-the drafts before it: the tree's count ratio (1 along a continuation seen once) as
-``match_calibration.MatchCalibration`` has learned to read it from the ids requests commit,
-per match length; drafts never depend on it. Asks for no target taps (``layer_ids = ()``) and
+the drafts before it: the tree's count ratio c / n, smoothed by how many occurrences n it was
+read over ((c + 1) / (n + 2): 2/3 along a continuation seen once), as
+``match_calibration.MatchCalibration`` has learned to read it from the ids requests commit, per
+match length, ratio, tree and occurrences; drafts never depend on it. Asks for no target taps (``layer_ids = ()``) and
 declares ``LEARNS_RESPONSES`` and ``PREVIEWS`` (the draft's confidences before drafting, so that
 the adaptive cap is priced on this round's own match, draft-then-decide; no batched passes,
 DLoop, carryover or tree head). Knows nothing about verification, caches, files or tokenization;
@@ -74,6 +75,7 @@ class Candidate:
     probs: list[float] = field(default_factory=list)
     match_len: int = 0
     depths: list[int] = field(default_factory=list)  # the match length each token was read after
+    totals: list[int] = field(default_factory=list)  # occurrences with a next token where each was read
     shared: bool = False  # read from the global tree (else the request's own)
 
     @property
@@ -86,10 +88,20 @@ class Candidate:
         return conditionals(self.probs)
 
     @cached_property
+    def priors(self) -> list[float]:
+        """Each token's ratio c / n smoothed by the evidence behind it, (c + 1) / (n + 2)
+        (Laplace's rule of succession; without ``totals``, n = 1): what its confidence is before
+        the calibration has seen such tokens -- 2/3 for a continuation seen once, not certainty."""
+        totals = self.totals or [1] * len(self.tokens)
+        return [(r * n + 1) / (n + 2) for r, n in zip(self.ratios, totals)]
+
+    @cached_property
     def cells(self) -> list[Cell]:
-        """Each token's calibration cell (without ``depths``: read along one match)."""
+        """Each token's calibration cell (without ``depths``: read along one match; without
+        ``totals``: each read where one occurrence went on)."""
         depths = self.depths or [self.match_len + k for k in range(len(self.tokens))]
-        return [cell_of(d, r, self.shared) for d, r in zip(depths, self.ratios)]
+        totals = self.totals or [1] * len(self.tokens)
+        return [cell_of(d, r, self.shared, n) for d, r, n in zip(depths, self.ratios, totals)]
 
 
 def speculate(tree: SuffixTree, context: Sequence[int], max_match: int, gamma: int, max_spec_factor: float,
@@ -103,17 +115,15 @@ def speculate(tree: SuffixTree, context: Sequence[int], max_match: int, gamma: i
     if place is None:
         return Candidate()
     first, limit = place.depth, min(gamma, int(max_spec_factor * place.depth + 1e-6))
-    tokens: list[int] = []
-    probs: list[float] = []
-    depths: list[int] = []
-    while place is not None and len(tokens) < limit:
-        more, more_probs, ran_out, more_depths = tree.draft(place, limit - len(tokens), min_prob,
-                                                           probs[-1] if probs else 1.0)
-        tokens, probs, depths = tokens + more, probs + more_probs, depths + more_depths
-        if not ran_out:
+    out = Candidate(match_len=first)
+    while place is not None and len(out.tokens) < limit:
+        walk = tree.draft(place, limit - len(out.tokens), min_prob, out.probs[-1] if out.probs else 1.0)
+        out.tokens, out.probs = out.tokens + walk.tokens, out.probs + walk.probs
+        out.depths, out.totals = out.depths + walk.depths, out.totals + walk.totals
+        if not walk.ran_out:
             break
-        place = tree.longest_match(list(context) + tokens, max_match)
-    return Candidate(tokens, probs, first, depths)
+        place = tree.longest_match(list(context) + out.tokens, max_match)
+    return out
 
 
 class ResponseCache:
@@ -281,8 +291,9 @@ class SuffixDrafter:
 
     def confidences(self, best: Candidate, count: int | None = None) -> list[float]:
         """The first ``count`` (default all) tokens' estimated acceptance given the ones before
-        them: their count conditionals as ``calibration`` has learned to read them."""
-        return self.calibration.estimate(best.ratios[:count], best.cells[:count])
+        them: their count conditionals, smoothed by the occurrences behind them
+        (``Candidate.priors``), as ``calibration`` has learned to read them."""
+        return self.calibration.estimate(best.priors[:count], best.cells[:count])
 
     def speculate(self, request: SuffixTree, context: list[int], gamma: int) -> Candidate:
         """The request tree's candidate, or the global tree's when it scores higher."""

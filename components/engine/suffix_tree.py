@@ -17,8 +17,8 @@ Knows token ids only; nothing about drafting, scores or the engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 
 class _Node:
@@ -30,6 +30,26 @@ class _Node:
 
     def __init__(self, count: int, children: dict[int, _Node] | None, seq: int = -1, pos: int = 0):
         self.count, self.children, self.seq, self.pos = count, children, seq, pos
+
+
+@dataclass
+class Walk:
+    """A greedy walk down the trie (``SuffixTree.draft``): per token, its estimated probability
+    (the running product of count / total), the length of the string it was read after, and
+    ``total``, how many occurrences of that string had a next token (the evidence behind the
+    ratio: 1 along a continuation seen once); ``ran_out`` where nothing followed."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    totals: list[int] = field(default_factory=list)
+    ran_out: bool = False
+
+    def add(self, tokens: Sequence[int], probs: Sequence[float], depths: Iterable[int], totals: Sequence[int]) -> None:
+        self.tokens += tokens
+        self.probs += probs
+        self.depths += depths
+        self.totals += totals
 
 
 @dataclass
@@ -178,35 +198,33 @@ class SuffixTree:
             best, good, bad = (found, mid, bad) if found is not None else (best, good, mid)
         return best
 
-    def draft(self, place: _Place, max_tokens: int, min_prob: float,
-              prob: float = 1.0) -> tuple[list[int], list[float], bool, list[int]]:
-        """(tokens, their estimated probabilities, whether the continuation ran out, the match
-        length each token was read after): from ``place``, the most frequent next token (ties:
-        the smaller id) while the running product (from ``prob``) of count / total stays ≥
-        ``min_prob``, at most ``max_tokens``. It runs out where nothing followed (a sequence's
-        end) or at ``max_depth``."""
-        tokens: list[int] = []
-        probs: list[float] = []
+    def draft(self, place: _Place, max_tokens: int, min_prob: float, prob: float = 1.0) -> Walk:
+        """The greedy walk from ``place``: the most frequent next token (ties: the smaller id)
+        while the running product (from ``prob``) of count / total stays ≥ ``min_prob``, at most
+        ``max_tokens``. It runs out where nothing followed (a sequence's end) or at ``max_depth``."""
+        walk = Walk()
         node, depth, extra = place.node, place.depth, place.extra
-        while len(tokens) < max_tokens:
+        while len(walk.tokens) < max_tokens:
             if depth >= self.max_depth:
-                return tokens, probs, True, list(range(place.depth, depth))
+                walk.ran_out = True
+                break
             if node.children is None:  # one occurrence: its continuation, probability unchanged
                 seq, at = self.seqs[node.seq], node.pos + extra
-                run = seq[at:at + min(max_tokens - len(tokens), self.max_depth - depth)]
-                out = tokens + run
-                return out, probs + [prob] * len(run), len(out) < max_tokens, list(range(place.depth, place.depth + len(out)))
+                run = seq[at:at + min(max_tokens - len(walk.tokens), self.max_depth - depth)]
+                walk.add(run, [prob] * len(run), range(depth, depth + len(run)), [1] * len(run))
+                walk.ran_out = len(walk.tokens) < max_tokens
+                break
             best, best_count, total = -1, 0, 0
             for token, child in node.children.items():
                 total += child.count
                 if child.count > best_count or (child.count == best_count and token < best):
                     best, best_count = token, child.count
             if total == 0:
-                return tokens, probs, True, list(range(place.depth, depth))
+                walk.ran_out = True
+                break
             prob *= best_count / total
             if prob < min_prob:
                 break
-            tokens.append(best)
-            probs.append(prob)
+            walk.add([best], [prob], [depth], [total])
             node, depth, extra = node.children[best], depth + 1, 0
-        return tokens, probs, False, list(range(place.depth, depth))
+        return walk

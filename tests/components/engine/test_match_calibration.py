@@ -23,15 +23,16 @@ class Owner:
     """Stands for one request's ids (the calibration keys its pending checks weakly by it)."""
 
 
-A, B, C = cell_of(1, 1.0, False), cell_of(3, 1.0, False), cell_of(8, 0.4, True)
+A, B, C = cell_of(1, 1.0, False, 1), cell_of(3, 1.0, False, 1), cell_of(8, 0.4, True, 5)
 
 
-def test_cells_bucket_the_match_length_the_ratio_and_the_tree():
-    assert [cell_of(d, 1.0, False)[0] for d in (1, 2, 3, 4, 5, 6, 7, 9, 10, 15, 16, 40)] == \
+def test_cells_bucket_the_match_length_the_ratio_the_tree_and_the_occurrences():
+    assert [cell_of(d, 1.0, False, 1)[0] for d in (1, 2, 3, 4, 5, 6, 7, 9, 10, 15, 16, 40)] == \
         [0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 7]
     assert len(DEPTH_EDGES) == 8
-    assert [cell_of(3, r, False)[1] for r in (0.1, 0.49, 0.5, 0.9, 0.999, 1.0)] == [0, 0, 1, 1, 2, 2]
-    assert cell_of(3, 1.0, True)[2] == 1 and cell_of(3, 1.0, False)[2] == 0
+    assert [cell_of(3, r, False, 1)[1] for r in (0.1, 0.49, 0.5, 0.9, 0.999, 1.0)] == [0, 0, 1, 1, 2, 2]
+    assert cell_of(3, 1.0, True, 1)[2] == 1 and cell_of(3, 1.0, False, 1)[2] == 0
+    assert [cell_of(3, 1.0, True, n)[3] for n in (1, 2, 3, 4, 9, 10, 500)] == [0, 1, 1, 2, 2, 3, 3]
 
 
 def test_without_evidence_the_estimate_is_the_trees_ratio():

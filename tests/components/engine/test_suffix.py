@@ -17,7 +17,14 @@ import torch
 from components.config import EvalConfig
 from components.engine import BatchEngine, SpeculativeEngine, SuffixDrafter, target_only_generate
 from components.engine.batch import Request
-from components.engine.suffix import REQUEST, ResponseCache, SuffixTree, speculate, suffix_drafter
+from components.engine.suffix import (
+    REQUEST,
+    ResponseCache,
+    SuffixTree,
+    conditionals,
+    speculate,
+    suffix_drafter,
+)
 from components.spec.sampling import SamplingParams
 from tests.components.engine.batch.test_continuous import requests
 from tests.components.engine.test_engine_zero_draft import SAMPLED, successor_target
@@ -47,22 +54,28 @@ def brute_match(seqs, context, max_match, depth) -> int:
     return max((n for n in range(1, top + 1) if brute_next(seqs, context[len(context) - n:], depth)), default=0)
 
 
-def brute_speculate(seqs, context, max_match, gamma, factor, min_prob, depth) -> tuple[list[int], list[float], int]:
-    """(tokens, probabilities, match length) as the module docstring defines them: the greedy
-    walk from the longest match, matched again on context + draft where it runs out."""
+def brute_walk(seqs, context, max_match, gamma, factor, min_prob, depth) -> tuple[list[int], list[float], int, list[int]]:
+    """(tokens, probabilities, match length, occurrences each token was read over) as the module
+    docstring defines them: the greedy walk from the longest match, matched again on context +
+    draft where it runs out."""
     first = m = brute_match(seqs, context, max_match, depth)
     limit = min(gamma, int(factor * m + 1e-6))
-    tokens, probs, prob = [], [], 1.0
+    tokens, probs, totals, prob = [], [], [], 1.0
     while m and len(tokens) < limit:
         x = (context + tokens)[len(context) + len(tokens) - m:]
         while len(tokens) < limit and (nxt := brute_next(seqs, x, depth)):
             best = min(nxt, key=lambda t: (-nxt[t], t))
             prob *= nxt[best] / sum(nxt.values())
             if prob < min_prob:
-                return tokens, probs, first
-            tokens, probs, x = tokens + [best], probs + [prob], x + [best]
+                return tokens, probs, first, totals
+            tokens, probs, x, totals = tokens + [best], probs + [prob], x + [best], totals + [sum(nxt.values())]
         m = brute_match(seqs, context + tokens, max_match, depth)
-    return tokens, probs, first
+    return tokens, probs, first, totals
+
+
+def brute_speculate(seqs, context, max_match, gamma, factor, min_prob, depth) -> tuple[list[int], list[float], int]:
+    """``brute_walk``'s (tokens, probabilities, match length)."""
+    return brute_walk(seqs, context, max_match, gamma, factor, min_prob, depth)[:3]
 
 
 def random_seq(rng: random.Random, vocab: int, longest: int) -> list[int]:
@@ -139,7 +152,7 @@ def test_longest_match_and_draft_are_the_brute_forces(seed):
             context = random_seq(rng, vocab + 1, 12) or [0]  # vocab + 1: sometimes a token never seen
             args = (rng.randint(1, depth), rng.randint(1, 6), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.4]))
             got = speculate(tree, context, *args)
-            assert (got.tokens, got.probs, got.match_len) == brute_speculate(seqs, context, *args, depth)
+            assert (got.tokens, got.probs, got.match_len, got.totals) == brute_walk(seqs, context, *args, depth)
 
 
 def test_the_draft_grows_with_the_match():
@@ -347,13 +360,15 @@ def test_one_hot_q_under_sampling():
 def test_confidences_are_each_drafts_estimated_probability_given_the_drafts_before_it():
     drafter = SuffixDrafter(20, 4, 8, min_token_prob=0.0)
     # the longest match "0 5 6" went on with 7 once and 8 once (1/2: the smaller id, 7); "0 5 6 7"
-    # occurred once, so its continuation (9, 11) keeps that probability: confidences 1/2, 1, 1
+    # occurred once, so its continuation (9, 11) keeps that probability: ratios 1/2, 1, 1; before
+    # any evidence each is smoothed by its occurrences, (c + 1) / (n + 2): 2/4, 2/3, 2/3
     state = _state(drafter, [5, 6, 7, 9, 10, 0, 5, 6, 7, 9, 11, 0, 5, 6, 8, 0, 5])
     prop = drafter.propose(state, torch.tensor([6]))
     assert prop.tokens.tolist() == [[7, 9, 11]]
-    assert torch.allclose(prop.confidences, torch.tensor([[1 / 2, 1.0, 1.0]]))
+    assert torch.allclose(prop.confidences, torch.tensor([[1 / 2, 2 / 3, 2 / 3]]))
     best = drafter.candidate(state, torch.tensor([6]), 4)
-    assert torch.allclose(prop.confidences.cumprod(-1)[0], torch.tensor(best.probs))
+    assert torch.allclose(torch.tensor(conditionals(best.probs)), torch.tensor([1 / 2, 1.0, 1.0]))
+    assert best.totals == [2, 1, 1]
     assert drafter.propose(_state(drafter, [1, 2]), torch.tensor([3])).confidences is None  # nothing proposed
 
 
