@@ -111,9 +111,9 @@ class DraftLengthPolicy(Protocol):
     calibrate: bool
     row_lengths: list[int] | None  # after ``cap``: each row's drafts this round (None: the cap for every row)
 
-    def empirical_survival(self, max_cap: int) -> Tensor: ...
+    def empirical_survival(self, max_cap: int) -> NDArray: ...
 
-    def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int: ...
+    def cap(self, survival: Tensor | NDArray, max_cap: int, remaining: list[int] | None = None) -> int: ...
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
                 round_seconds: float, verify_tokens: int) -> None: ...
@@ -126,10 +126,10 @@ class FixedDraftLength:
     calibrate = False  # no per-request survival estimates wanted
     row_lengths = None  # every row drafts the cap
 
-    def empirical_survival(self, max_cap: int) -> Tensor:  # [max_cap] unused: the cap is always max_cap
-        return torch.ones(max_cap, dtype=torch.float64)
+    def empirical_survival(self, max_cap: int) -> NDArray:  # [max_cap] unused: the cap is always max_cap
+        return np.ones(max_cap)
 
-    def cap(self, survival: Tensor, max_cap: int, remaining: list[int] | None = None) -> int:  # survival [B, max_cap]
+    def cap(self, survival: Tensor | NDArray, max_cap: int, remaining: list[int] | None = None) -> int:  # survival [B, max_cap]
         return max_cap
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
@@ -182,7 +182,7 @@ class AdaptiveDraftLength:
         if self.forward_time is None and self.round_time is None:
             raise ValueError("AdaptiveDraftLength needs a forward_time table or a round_time profile")
 
-    def empirical_survival(self, max_cap: int, prior: float = 2.0) -> Tensor:  # [max_cap]
+    def empirical_survival(self, max_cap: int, prior: float = 2.0) -> NDArray:  # [max_cap] float64
         """P(first k drafts accepted) from the acceptance seen so far: per position k,
         α_k = (accepted_k + m·α_{k-1}) / (reached_k + m), m = ``prior`` pseudo-rounds, α_0's prior
         ``first_guess``. A position never reached (capped below it so far) inherits the one before, so a
@@ -193,7 +193,7 @@ class AdaptiveDraftLength:
             acc, reach = (self.accept_counts[k], self.reach_counts[k]) if k < len(self.reach_counts) else (0.0, 0.0)
             prev = (acc + prior * prev) / (reach + prior)
             alphas.append(prev)
-        return torch.tensor(alphas, dtype=torch.float64).cumprod(dim=0)
+        return np.cumprod(alphas)
 
     def calibrated(self, survival: Tensor | NDArray) -> NDArray:
         """survival [B, G] → the same with each position's conditional acceptance

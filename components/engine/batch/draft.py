@@ -45,6 +45,7 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -134,8 +135,8 @@ class Drafting:
             conf = self.drafter.preview(row.seq.draft_state, recent)  # [1, g] or None
             blind += conf is None
             if conf is not None:
-                padded = torch.zeros(1, max_cap, dtype=torch.float64)
-                padded[:, :min(conf.shape[1], max_cap)] = conf[:, :max_cap].double().cpu()
+                padded = np.zeros((1, max_cap))
+                padded[:, :min(conf.shape[1], max_cap)] = conf[:, :max_cap].detach().to("cpu", torch.float64).numpy()
                 row.estimate.refresh(padded, self.policy.calibrate)
                 offered += conf.shape[1] > 0
         return offered, blind

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -193,8 +194,8 @@ class PinnedCap:
     def __init__(self, value: int):
         self.value = value
 
-    def empirical_survival(self, max_cap: int) -> torch.Tensor:  # → [max_cap] float64
-        return torch.ones(max_cap, dtype=torch.float64)
+    def empirical_survival(self, max_cap: int) -> np.ndarray:  # → [max_cap] float64
+        return np.ones(max_cap)
 
     def cap(self, survival, max_cap: int, remaining=None) -> int:
         return min(self.value, max_cap)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -451,13 +452,13 @@ class SurvivalCap:
     adapts, calibrate, row_lengths = True, False, None
 
     def __init__(self):
-        self.seen: list[torch.Tensor] = []
+        self.seen: list[np.ndarray] = []
 
-    def empirical_survival(self, max_cap: int) -> torch.Tensor:  # → [max_cap] float64
-        return torch.full((max_cap,), 0.5, dtype=torch.float64)
+    def empirical_survival(self, max_cap: int) -> np.ndarray:  # → [max_cap] float64
+        return np.full(max_cap, 0.5)
 
     def cap(self, survival, max_cap: int, remaining=None) -> int:  # survival [1, max_cap]
-        self.seen.append(survival[0].clone())
+        self.seen.append(survival[0].copy())
         return int((survival[0] > 0).sum())
 
     def observe(self, *args, **kwargs) -> None:
@@ -478,4 +479,4 @@ def test_the_batch_engine_prices_each_round_on_its_own_match(tiny_target, greedy
     assert drafter.proposed == len(drafting) == sum(len(r.accepted) for r in results) > 0
     for s in drafting:  # a draft's survival: non-increasing, then zeros
         n = int((s > 0).sum())
-        assert torch.all(s[:n] > 0) and torch.all(s[n:] == 0) and torch.all(s[1:n] <= s[:n - 1])
+        assert np.all(s[:n] > 0) and np.all(s[n:] == 0) and np.all(s[1:n] <= s[:n - 1])

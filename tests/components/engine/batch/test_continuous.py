@@ -4,6 +4,7 @@ shares its verification passes, whenever it joins, however many drafts each row 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -190,7 +191,7 @@ class ScriptedCap:
         self.caps, self.i = list(caps), 0
 
     def empirical_survival(self, max_cap):
-        return torch.ones(max_cap, dtype=torch.float64)
+        return np.ones(max_cap)
 
     def cap(self, survival, max_cap, remaining=None):
         self.i += 1
