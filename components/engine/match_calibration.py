@@ -18,8 +18,9 @@ estimates of each token's chance of acceptance given the tokens before it were a
 
     estimate_k = (hits(cell_k) + w · c_k) / (trials(cell_k) + w)        w = ``prior_weight``
 
-so a cell with no evidence keeps the tree's own ratio and one with much evidence says what it
-saw. Predictions are checked against the ids, not against the verdicts: every candidate the
+where c_k is the prior the caller gives (suffix decoding: the tree's count ratio smoothed by the
+occurrences behind it, ``suffix.Candidate.priors``), so a cell with no evidence keeps that prior
+and one with much evidence says what it saw. Predictions are checked against the ids, not against the verdicts: every candidate the
 drafter computes is noted (``note``; previews and proposals alike, once per position), and
 compared, token by token up to the first that differs, with the ids its request commits there
 (``settle``). So what is learned does not depend on which candidates the cap chose to draft

@@ -36,10 +36,10 @@ confidence (read by the adaptive cap as a confidence head's) is its estimated ac
 the drafts before it: the tree's count ratio c / n, smoothed by how many occurrences n it was
 read over ((c + 1) / (n + 2): 2/3 along a continuation seen once), as
 ``match_calibration.MatchCalibration`` has learned to read it from the ids requests commit, per
-match length, ratio, tree and occurrences; drafts never depend on it. Asks for no target taps (``layer_ids = ()``) and
-declares ``LEARNS_RESPONSES`` and ``PREVIEWS`` (the draft's confidences before drafting, so that
-the adaptive cap is priced on this round's own match, draft-then-decide; no batched passes,
-DLoop, carryover or tree head). Knows nothing about verification, caches, files or tokenization;
+match length, ratio, tree and occurrences; drafts never depend on it. Asks for no target taps
+(``layer_ids = ()``) and declares ``LEARNS_RESPONSES`` and ``PREVIEWS`` (the draft's confidences
+before drafting, so that the adaptive cap is priced on this round's own match,
+draft-then-decide; no batched passes, DLoop, carryover or tree head). Knows nothing about verification, caches, files or tokenization;
 who runs requests calls ``observe`` with each finished response (declared as
 ``Capability.LEARNS_RESPONSES``: the batch engine does it as rows finish, the eval stage's
 ``suffix`` method after each request). Not thread-safe: observe from the thread that drafts.
