@@ -214,8 +214,17 @@ class StaticDecoder(nn.Module):
             if i in self.taps:
                 taps[i] = x.clone()
         stacked = torch.stack([taps[i] for i in self.taps], dim=1) if self.taps else x.new_zeros(t, 0, s.hidden)
-        logits = self.gemm(self._norm(x[-1:] if last_only else x, self.final_norm), self.head_weight)
-        return logits, stacked, x
+        return self._head_rows(self._norm(x[-1:] if last_only else x, self.final_norm)), stacked, x
+
+    def _head_rows(self, h: Tensor) -> Tensor:  # [T, H] → [T, V]
+        """The head over ``forward_rows``' rows: where the kernels read the head's own blocks, through
+        them at every row count, as the layers are. ``gemm`` hands passes of more than a few dozen
+        rows to torch's float32 product (a prompt's); this head's only such passes are a batch
+        round's verify rows (a prompt's head reads its last row), where that product cost more
+        than the blocks (docs/results.md)."""
+        if self.kernels is not None and getattr(self.head_weight, "format", "f32") != "f32":
+            return self.kernels.linear(h, self.head_weight)
+        return self.gemm(h, self.head_weight)
 
     def _layer_rows(self, x: Tensor, seq: Tensor, pos: Tensor, layer: _Layer, k: Tensor, v: Tensor) -> Tensor:
         """One layer of ``forward_rows`` in torch ops: x [T, H] → [T, H]."""

@@ -23,7 +23,7 @@ from components.target.blocks import (
     quantize_q8_0,
     read_gguf,
 )
-from components.target.fast import StepTarget, step_target
+from components.target.fast import MAX_KERNEL_ROWS, StepTarget, step_target
 from components.target.hf import TargetError
 from components.target.kernels import (
     BLOCK_ROWS,
@@ -297,6 +297,25 @@ def test_a_step_reading_blocks_decodes_as_the_target(tiny_target_cfg, stored_tar
             engine = SpeculativeEngine(fast, drafter, rule="greedy", num_speculative_tokens=4)
             assert engine.generate(prompt, MAX_NEW).tokens == want
 
+
+
+@needs_kernel
+def test_a_verify_pass_of_many_rows_reads_the_heads_blocks(tiny_target_cfg, stored_target, tmp_path, monkeypatch):
+    """Past the rows where the step's products go to torch's float32 GEMM (a prompt's), a pass's
+    head still reads the head's Q8_0 blocks through the kernel, as its layers do (a batch
+    round's verify rows), and its logits are the float32 step's."""
+    cfg = dataclasses.replace(tiny_target_cfg, step="fast", static_len=256, cache_dir=str(tmp_path))
+    fast = step_target(stored_target, cfg)
+    plain = step_target(stored_target, dataclasses.replace(cfg, step_weights="float32"))
+    ids = torch.tensor([prompts(stored_target)[0] * 8], dtype=torch.long)[:, :8 + MAX_KERNEL_ROWS + 8]
+    out, ref = fast.forward(ids[:, :8], use_cache=True), plain.forward(ids[:, :8], use_cache=True)
+    rows: list[int] = []
+    kernel_linear = fast.decoder.kernels.linear
+    monkeypatch.setattr(fast.decoder.kernels, "linear", lambda x, w, *a: rows.append(x.shape[0]) or kernel_linear(x, w, *a))
+    got = fast.forward(ids[:, 8:], cache=out.cache, use_cache=True).logits
+    assert rows and max(rows) == MAX_KERNEL_ROWS + 8  # the head's rows, in one product over its blocks
+    want = plain.forward(ids[:, 8:], cache=ref.cache, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 def test_step_weights_setting(tiny_target_cfg, tiny_target, stored_target, tmp_path):
     from components.target.fast import block_index
