@@ -111,7 +111,10 @@ class StepTarget(Target):
         kernels = self.decoder.kernels
         # the kernel's build (ISA and source hash) too: a changed kernel re-measures round profiles
         built = f"kernel {kernels.path.stem.removeprefix('rows_gemm-')}" if kernels is not None else "torch"
-        return f"fast step, {built}{weights}, {self.capacity} slots"
+        # a batch round's head on its blocks at every row count (``StaticDecoder._head_rows``): profiles
+        # timed while rounds past 32 rows took torch's float32 head are measured again
+        head = ", head on its blocks" if kernels is not None and weights else ""
+        return f"fast step, {built}{weights}{head}, {self.capacity} slots"
 
     @property
     def prefill_threads(self) -> int:
