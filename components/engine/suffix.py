@@ -90,18 +90,19 @@ class Candidate:
     @cached_property
     def priors(self) -> list[float]:
         """Each token's ratio c / n smoothed by the evidence behind it, (c + 1) / (n + 2)
-        (Laplace's rule of succession; without ``totals``, n = 1): what its confidence is before
-        the calibration has seen such tokens -- 2/3 for a continuation seen once, not certainty."""
-        totals = self.totals or [1] * len(self.tokens)
-        return [(r * n + 1) / (n + 2) for r, n in zip(self.ratios, totals)]
+        (Laplace's rule of succession): what its confidence is before the calibration has seen
+        such tokens -- 2/3 for a continuation seen once, not certainty."""
+        return [(r * n + 1) / (n + 2) for r, n in zip(self.ratios, self.occurrences)]
+
+    @cached_property
+    def occurrences(self) -> list[int]:  # each token's n: ``totals``, else 1 (read where one occurrence went on)
+        return self.totals or [1] * len(self.tokens)
 
     @cached_property
     def cells(self) -> list[Cell]:
-        """Each token's calibration cell (without ``depths``: read along one match; without
-        ``totals``: each read where one occurrence went on)."""
+        """Each token's calibration cell (without ``depths``: read along one match)."""
         depths = self.depths or [self.match_len + k for k in range(len(self.tokens))]
-        totals = self.totals or [1] * len(self.tokens)
-        return [cell_of(d, r, self.shared, n) for d, r, n in zip(depths, self.ratios, totals)]
+        return [cell_of(d, r, self.shared, n) for d, r, n in zip(depths, self.ratios, self.occurrences)]
 
 
 def speculate(tree: SuffixTree, context: Sequence[int], max_match: int, gamma: int, max_spec_factor: float,

@@ -113,7 +113,7 @@ class StepTarget(Target):
         built = f"kernel {kernels.path.stem.removeprefix('rows_gemm-')}" if kernels is not None else "torch"
         # a batch round's head on its blocks at every row count (``StaticDecoder._head_rows``): profiles
         # timed while rounds past 32 rows took torch's float32 head are measured again
-        head = ", head on its blocks" if kernels is not None and weights else ""
+        head = ", head on its blocks" if self.decoder.head_on_blocks else ""
         return f"fast step, {built}{weights}{head}, {self.capacity} slots"
 
     @property

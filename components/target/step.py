@@ -222,9 +222,14 @@ class StaticDecoder(nn.Module):
         rows to torch's float32 product (a prompt's); this head's only such passes are a batch
         round's verify rows (a prompt's head reads its last row), where that product cost more
         than the blocks (docs/results.md)."""
-        if self.kernels is not None and getattr(self.head_weight, "format", "f32") != "f32":
+        if self.head_on_blocks:
             return self.kernels.linear(h, self.head_weight)
         return self.gemm(h, self.head_weight)
+
+    @property
+    def head_on_blocks(self) -> bool:
+        """Whether ``forward_rows``' head reads the head's blocks through the kernels at any row count."""
+        return self.kernels is not None and getattr(self.head_weight, "format", "f32") != "f32"
 
     def _layer_rows(self, x: Tensor, seq: Tensor, pos: Tensor, layer: _Layer, k: Tensor, v: Tensor) -> Tensor:
         """One layer of ``forward_rows`` in torch ops: x [T, H] → [T, H]."""
