@@ -4,7 +4,7 @@ concurrency levels over HTTP on loopback, speculation on and off in one run.
     python bench/serve.py --drafter DIR [--method auto|suffix|hybrid] [--target embedded|DIR] [--concurrency 1,8,32]
                           [--requests N] [--new-tokens 64] [--threads 1] [--prefill-threads 0] [--no-adaptive]
                           [--loop-stages S] [--rollouts DATA_DIR]
-                          [--target-step auto|fast|hf]
+                          [--target-step auto|fast|hf] [--stream-interval-ms MS]
     python bench/serve.py --url http://127.0.0.1:8000 --model NAME [--tokenizer DIR]   # any OpenAI server
 
 Without ``--url`` it starts Ray and the specline app (``pipelines.serve.start_app``) with the
@@ -79,6 +79,9 @@ def parse_args() -> argparse.Namespace:
                     help="serve.prefill_threads: the fast step's threads in prompt passes (0: --threads)")
     ap.add_argument("--target-step", default="auto", choices=["auto", "fast", "hf"],
                     help="target.step of the replica (auto/fast: its linears through the kernel)")
+    ap.add_argument("--stream-interval-ms", type=float, default=None,
+                    help="serve.stream_interval_ms: at most one chunk per interval per stream (0: every round; "
+                         "default: the config's)")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--no-adaptive", action="store_true", help="fixed draft length instead of the adaptive cap")
     ap.add_argument("--loop-stages", type=int, default=None,
@@ -248,7 +251,8 @@ def start_server(args: argparse.Namespace, top: int) -> str:
                      adaptive=not args.no_adaptive, torch_threads=args.threads, cpus_per_replica=1.0,
                      prefill_threads=args.prefill_threads,
                      loop_stages=args.loop_stages, drafter=args.method,
-                     suffix_rollouts=args.rollouts)  # a path field: made absolute by the config
+                     suffix_rollouts=args.rollouts,  # a path field: made absolute by the config
+                     **({} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}))
     init_ray(RayConfig())
     source = DrafterSource(str(Path(args.drafter).resolve()) if args.drafter else None, "bench",
                            method="model" if args.method == "auto" else args.method)

@@ -352,6 +352,9 @@ class ServeConfig:
     prefill_threads: int = 0
     max_ongoing_requests: int = 8  # rows in a replica's running batch (continuous batching)
     max_queued_requests: int = 32  # requests waiting per replica; beyond them: overload_status
+    # a stream's chunks at most this often (the first at once; the rounds between merged into one
+    # chunk): each chunk costs the serving side CPU that the target's passes share; 0: every round
+    stream_interval_ms: float = 50.0
     overload_status: int = 503  # 503 | 429, with Retry-After
     retry_after_s: int = 1
     health_check_period_s: float = 10.0
@@ -384,7 +387,8 @@ class ServeConfig:
         problems = [f"{key} must be at least {low} (got {getattr(self, key)})" for key, low in (
             ("port", 1), ("num_replicas", 1), ("min_replicas", 0), ("max_ongoing_requests", 1),
             ("max_queued_requests", 0), ("retry_after_s", 0), ("max_body_bytes", 1),
-            ("tree_budget", 0), ("torch_threads", 0), ("prefill_threads", 0)) if getattr(self, key) < low]
+            ("tree_budget", 0), ("torch_threads", 0), ("prefill_threads", 0), ("stream_interval_ms", 0))
+            if getattr(self, key) < low]
         if self.drafter not in SERVED_DRAFTERS:
             problems.append(f"drafter must be one of {', '.join(SERVED_DRAFTERS)} (got {self.drafter!r}); "
                             "a path goes in drafter_path")

@@ -123,7 +123,7 @@ def build_replica(cfg: SpeclineConfig, target_path: str, source: DrafterSource, 
     parts = build_parts(cfg.target, sc, target_path, source, adapt_now=False)
     replica = Replica(parts, served_for(parts.target, sc, model), sc.max_queued_requests, sc.sampled_rule,
                       sc.overload_status, sc.retry_after_s, source.label if source.speculates else None,
-                      ServingMetrics(model, export_to_ray=True))
+                      ServingMetrics(model, export_to_ray=True), stream_interval_s=sc.stream_interval_ms / 1000)
     log.info("replica loaded in %.1f s: %s, drafter %s; warming up", parts.startup_seconds, model, source.label)
     return replica
 

@@ -60,8 +60,9 @@ class Replica:
 
     def __init__(self, parts: EngineParts, served: Served, max_queued: int, sampled_rule: str = "gumbel",
                  overload_status: int = 503, retry_after_s: int = 1, drafter_label: str | None = None,
-                 metrics: ServingMetrics | None = None, poll_s: float = 0.5):
+                 metrics: ServingMetrics | None = None, poll_s: float = 0.5, stream_interval_s: float = 0.0):
         self.parts, self.served = parts, served
+        self.stream_interval_s = stream_interval_s  # AsyncEngine's: at most one chunk per interval
         self.capacity = parts.engine.max_batch_size + int(max_queued)
         self.sampled_rule, self.overload_status = sampled_rule, overload_status
         self.drafter_label = drafter_label
@@ -81,7 +82,7 @@ class Replica:
                 life.phase = phase
                 step()
             life.phase = "warm-up generation"
-            self.engine = AsyncEngine(self.parts.engine)
+            self.engine = AsyncEngine(self.parts.engine, stream_interval_s=self.stream_interval_s)
             asyncio.run(self.engine.generate(self._warm_up_request()))
         except Exception as err:  # noqa: BLE001  (a failed warm-up is reported, not raised: see check_health)
             life.died(err, during=f"warm-up ({life.phase})")
@@ -153,7 +154,7 @@ class Replica:
         try:
             async for out in stream:
                 first = first or time.perf_counter()
-                chunks.append(len(out.new_tokens))
+                chunks.extend(out.rounds or (len(out.new_tokens),))  # tokens per round
                 self.metrics.inc("vllm:generation_tokens", len(out.new_tokens))
                 before = len(text.tokens)
                 delta = text.push(out.new_tokens)

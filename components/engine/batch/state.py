@@ -72,6 +72,7 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None  # "length" | "stop" | "cancelled"
     result: GenerationResult | None = None  # the whole generation, when finished
+    rounds: tuple[int, ...] = ()  # tokens of each round merged into this output (a stream interval); () one round
 
 
 @dataclass

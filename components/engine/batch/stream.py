@@ -8,6 +8,14 @@ What a server replica (Ray Serve, an HTTP handler) holds::
     # leaving the loop early (client gone, asyncio cancellation) cancels the request and frees
     # its cache rows at the next round
 
+With ``stream_interval_s`` > 0 a stream hands out at most one chunk per interval: the first
+output at once (time to first token is not delayed), then whatever rounds finished while the
+interval ran, merged into one ``StepOutput`` (its ``rounds`` lists each round's token count).
+That is Ray Serve LLM's stream batching and vLLM's ``stream_interval``: each chunk costs the
+serving side (detokenizing, an SSE event, the hop from replica to HTTP proxy) CPU time that
+shares the cores with the target's passes, so fewer, larger chunks leave more of them to
+decoding. The tokens, and their order, are the same at any interval.
+
 All calls into the ``BatchEngine`` happen on the engine thread (it is not thread-safe): adds
 and cancels are queued as commands and applied between rounds, so requests join and leave the
 running batch without stopping it. Each round's outputs are handed to the asyncio loop that
@@ -43,11 +51,20 @@ class _Stream:
     queue: asyncio.Queue  # StepOutput | EngineError items
 
 
+def merged(a: StepOutput, b: StepOutput) -> StepOutput:
+    """Two consecutive outputs of one request as one: ``b``'s end, both rounds' tokens."""
+    rounds = (a.rounds or (len(a.new_tokens),)) + (b.rounds or (len(b.new_tokens),))
+    return StepOutput(a.request_id, a.new_tokens + b.new_tokens, b.finished, b.finish_reason, b.result, rounds)
+
+
 class AsyncEngine:
     """Continuous batching behind ``async stream(request)``; one engine thread per instance."""
 
-    def __init__(self, engine: BatchEngine, idle_wait_s: float = 0.05):
+    def __init__(self, engine: BatchEngine, idle_wait_s: float = 0.05, stream_interval_s: float = 0.0):
+        if stream_interval_s < 0:
+            raise ValueError(f"stream_interval_s must be >= 0, got {stream_interval_s}")
         self.engine = engine
+        self.stream_interval_s = stream_interval_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Request) | ("cancel", id)
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -69,13 +86,16 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
         self._command("add", request)
-        finished = False
+        finished, sent = False, None  # loop time of the last chunk handed out
         try:
             while True:
                 item = await stream.queue.get()
+                if self.stream_interval_s > 0 and sent is not None:
+                    item = await self._gather(stream, item, sent + self.stream_interval_s)
                 if isinstance(item, EngineError):
                     raise item
                 finished = item.finished
+                sent = stream.loop.time()
                 yield item
                 if finished:
                     return
@@ -83,6 +103,19 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not finished:
                 self._command("cancel", rid)
+
+    @staticmethod
+    async def _gather(stream: _Stream, item: StepOutput | EngineError, until: float) -> StepOutput | EngineError:
+        """``item`` merged with every output that arrives before loop time ``until`` (or before
+        the request finishes); an error ends the wait and is returned as it is."""
+        while isinstance(item, StepOutput) and not item.finished:
+            wait = until - stream.loop.time()
+            try:
+                nxt = stream.queue.get_nowait() if wait <= 0 else await asyncio.wait_for(stream.queue.get(), wait)
+            except (TimeoutError, asyncio.QueueEmpty):
+                return item
+            item = nxt if isinstance(nxt, EngineError) else merged(item, nxt)
+        return item
 
     async def generate(self, request: Request) -> GenerationResult:
         """The whole generation at once (drains ``stream``)."""

@@ -349,3 +349,27 @@ def test_the_replica_is_built_on_a_thread_that_ends():
     assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
     with pytest.raises(ConfigError, match="bad field"):
         on_a_thread_of_its_own(lambda: (_ for _ in ()).throw(ConfigError("bad field")))
+
+
+def test_a_stream_interval_serves_the_same_tokens_and_counts_every_round(tiny_target_cfg, tiny_target_build,
+                                                                         serving_drafter, tiny_target):
+    """Chunks merged by ``serve.stream_interval_ms`` (here longer than any request): the target's
+    own greedy tokens, a stop string still ends the text where it starts, and the statistics of
+    a request cut by it still list each round (not one merged chunk as one round)."""
+    parts, served, sc = make_parts(tiny_target_cfg, tiny_target_build, serving_drafter)
+    rep = Replica(parts, served, sc.max_queued_requests, drafter_label="test", stream_interval_s=3600.0)
+    assert rep.warm_up()
+    try:
+        prompts = prompt_ids(tiny_target, 4)
+        outs = asyncio.run(_many(rep, [_greedy(p) for p in prompts]))
+        assert [o.token_ids for o in outs] == [greedy_reference(tiny_target, p, NEW) for p in prompts]
+        n = 24
+        full = asyncio.run(_run(rep, {**_greedy(prompts[2]), "max_tokens": n}))
+        stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+        cut = asyncio.run(_run(rep, {**_greedy(prompts[2]), "max_tokens": n, "stop": [stop]}))
+        assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
+        cap = parts.engine.max_cap
+        assert cut.spec.rounds == len(cut.spec.accepted) >= (len(cut.token_ids) - 1) // (cap + 1)
+        assert all(0 <= a <= cap for a in cut.spec.accepted)
+    finally:
+        rep.shutdown()

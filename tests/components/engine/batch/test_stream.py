@@ -1,6 +1,7 @@
 """The async front of the batch engine: concurrent streams get the target's own greedy tokens in
-round-sized chunks; leaving a stream early cancels its request and frees its rows; a failing
-round surfaces as ``EngineError`` in every in-flight stream."""
+round-sized chunks (with a stream interval: fewer chunks, the same tokens); leaving a stream early
+cancels its request and frees its rows; a failing round surfaces as ``EngineError`` in every
+in-flight stream, also one waiting out its interval."""
 
 from __future__ import annotations
 
@@ -84,3 +85,54 @@ def test_a_failing_admission_fails_the_streams_instead_of_hanging_them(tiny_targ
                 pass
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))  # before the fix: the stream waited for ever
+
+
+def _chunks(engine: AsyncEngine, req: Request) -> list:
+    async def main():
+        return [out async for out in engine.stream(req)]
+
+    return asyncio.run(main())
+
+
+def test_a_stream_interval_merges_rounds_into_fewer_chunks_losslessly(tiny_target):
+    """An interval longer than the generation: the first round at once, every later round in one
+    chunk that ends with the request; its ``rounds`` are the rounds an unmerged stream hands out."""
+    req = requests(tiny_target)[0]
+    outs = {}
+    for interval in (0.0, 3600.0):
+        engine = AsyncEngine(BatchEngine(tiny_target, random_drafter(tiny_target, "dspark"), max_batch_size=4),
+                             stream_interval_s=interval)
+        try:
+            outs[interval] = _chunks(engine, Request(req.prompt_ids, req.max_new_tokens, request_id=f"r{interval}"))
+        finally:
+            engine.shutdown()
+    each, merged = outs[0.0], outs[3600.0]
+    assert len(each) > 2 and len(merged) == 2 and merged[-1].finished
+    assert [t for o in merged for t in o.new_tokens] == [t for o in each for t in o.new_tokens]
+    assert merged[0].new_tokens == each[0].new_tokens and merged[0].rounds == ()
+    assert merged[1].rounds == tuple(len(o.new_tokens) for o in each[1:])
+    assert merged[1].result.tokens == each[-1].result.tokens
+
+
+def test_an_engine_failure_ends_an_intervals_wait(tiny_target):
+    engine = AsyncEngine(BatchEngine(tiny_target, random_drafter(tiny_target, "dspark"), max_batch_size=4),
+                         stream_interval_s=3600.0)
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    async def main():
+        with pytest.raises(EngineError, match="device lost"):
+            async for _ in engine.stream(Request(requests(tiny_target)[0].prompt_ids, 50)):
+                engine.engine.target = type("Broken", (), {"forward": staticmethod(broken_forward),
+                                                          "device": tiny_target.device})()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), timeout=60))  # not the interval's hour
+    finally:
+        engine.shutdown()
+
+
+def test_a_negative_stream_interval_is_refused(tiny_target):
+    with pytest.raises(ValueError, match="stream_interval_s"):
+        AsyncEngine(BatchEngine(tiny_target, None), stream_interval_s=-1)
