@@ -121,6 +121,11 @@ class BatchEngine:
         self._cancelled.add(request_id)
 
     @property
+    def will_admit(self) -> bool:
+        """The next round prefills a waiting request (a long round)."""
+        return bool(self.waiting) and len(self.batch.rows) < self.max_batch_size
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.batch.rows)
 

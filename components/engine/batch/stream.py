@@ -8,13 +8,16 @@ What a server replica (Ray Serve, an HTTP handler) holds::
     # leaving the loop early (client gone, asyncio cancellation) cancels the request and frees
     # its cache rows at the next round
 
-With ``stream_interval_s`` > 0 a stream hands out at most one chunk per interval: the first
-output at once (time to first token is not delayed), then whatever rounds finished while the
-interval ran, merged into one ``StepOutput`` (its ``rounds`` lists each round's token count).
-That is Ray Serve LLM's stream batching and vLLM's ``stream_interval``: each chunk costs the
-serving side (detokenizing, an SSE event, the hop from replica to HTTP proxy) CPU time that
-shares the cores with the target's passes, so fewer, larger chunks leave more of them to
-decoding. The tokens, and their order, are the same at any interval.
+With ``stream_interval_s`` > 0 a stream hands out at most one chunk per interval: its first
+output at once (time to first token is not delayed), later rounds' outputs held on the engine
+thread and merged (``StepOutput.rounds`` lists each round's token count) until a round ends
+with the interval past, or the request finishes, or the next round will prefill a waiting
+request (a long round: what is held goes out before it). Held outputs cost the event loop
+nothing: it is woken once per chunk, not once per round. That is Ray Serve LLM's stream
+batching and vLLM's ``stream_interval``: each chunk costs the serving side (detokenizing, an
+SSE event, the hop from replica to HTTP proxy) CPU time that shares the cores with the target's
+passes, so fewer, larger chunks leave more of them to decoding. The tokens, and their order,
+are the same at any interval.
 
 All calls into the ``BatchEngine`` happen on the engine thread (it is not thread-safe): adds
 and cancels are queued as commands and applied between rounds, so requests join and leave the
@@ -32,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +53,9 @@ class EngineError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # StepOutput | EngineError items
+    # engine thread only: outputs held back by the stream interval, and when the last was sent
+    held: StepOutput | None = None
+    sent: float | None = None
 
 
 def merged(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -86,16 +93,13 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
         self._command("add", request)
-        finished, sent = False, None  # loop time of the last chunk handed out
+        finished = False
         try:
             while True:
                 item = await stream.queue.get()
-                if self.stream_interval_s > 0 and sent is not None:
-                    item = await self._gather(stream, item, sent + self.stream_interval_s)
                 if isinstance(item, EngineError):
                     raise item
                 finished = item.finished
-                sent = stream.loop.time()
                 yield item
                 if finished:
                     return
@@ -103,19 +107,6 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not finished:
                 self._command("cancel", rid)
-
-    @staticmethod
-    async def _gather(stream: _Stream, item: StepOutput | EngineError, until: float) -> StepOutput | EngineError:
-        """``item`` merged with every output that arrives before loop time ``until`` (or before
-        the request finishes); an error ends the wait and is returned as it is."""
-        while isinstance(item, StepOutput) and not item.finished:
-            wait = until - stream.loop.time()
-            try:
-                nxt = stream.queue.get_nowait() if wait <= 0 else await asyncio.wait_for(stream.queue.get(), wait)
-            except (TimeoutError, asyncio.QueueEmpty):
-                return item
-            item = nxt if isinstance(nxt, EngineError) else merged(item, nxt)
-        return item
 
     async def generate(self, request: Request) -> GenerationResult:
         """The whole generation at once (drains ``stream``)."""
@@ -148,12 +139,15 @@ class AsyncEngine:
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue
+                if self.engine.will_admit:  # a prefill round: what is held goes out before it
+                    self._release_held()
                 outputs = self.engine.step()
             except BaseException as exc:  # noqa: BLE001  (delivered to every caller, then stop)
                 self._fail(exc)
                 return
+            now = time.perf_counter()
             for out in outputs:
-                self._deliver(out.request_id, out)
+                self._deliver(out.request_id, out, now)
 
     def _apply_commands(self) -> None:
         while True:
@@ -166,10 +160,27 @@ class AsyncEngine:
             else:
                 self.engine.cancel(arg)
 
-    def _deliver(self, rid: str, item: StepOutput | EngineError) -> None:
+    def _deliver(self, rid: str, item: StepOutput | EngineError, now: float = 0.0) -> None:
+        """Hands ``item`` to the stream's loop, or holds it (merged) while the interval runs."""
         stream = self._streams.get(rid)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        if stream is None:
+            return
+        if isinstance(item, StepOutput):
+            if stream.held is not None:
+                item, stream.held = merged(stream.held, item), None
+            due = stream.sent is None or now - stream.sent >= self.stream_interval_s
+            if not (due or item.finished):
+                stream.held = item
+                return
+            stream.sent = now
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _release_held(self) -> None:
+        now = time.perf_counter()
+        for stream in list(self._streams.values()):
+            if stream.held is not None:
+                item, stream.held, stream.sent = stream.held, None, now
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _fail(self, exc: BaseException) -> None:
         self._failed = exc

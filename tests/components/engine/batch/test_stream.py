@@ -114,6 +114,33 @@ def test_a_stream_interval_merges_rounds_into_fewer_chunks_losslessly(tiny_targe
     assert merged[1].result.tokens == each[-1].result.tokens
 
 
+def test_held_outputs_go_out_before_a_prefill_round(tiny_target):
+    """A request that joins makes the next round a prefill (a long round): what a running stream
+    holds for its interval is handed out before it, not after."""
+    engine = AsyncEngine(BatchEngine(tiny_target, None, max_batch_size=4), stream_interval_s=3600.0)
+    prompts = [r.prompt_ids for r in requests(tiny_target)]
+
+    async def main():
+        first = Request(prompts[0], 300, request_id="long")
+        chunks = []
+        async for out in engine.stream(first):
+            chunks.append(out)
+            if len(chunks) == 1:
+                while engine._streams["long"].held is None:  # a round is held back
+                    await asyncio.sleep(0.001)
+                joiner = asyncio.ensure_future(engine.generate(Request(prompts[1], 3, request_id="joins")))
+            elif len(chunks) == 2:
+                assert not out.finished and out.rounds  # released by the joiner's prefill, mid-request
+        await joiner
+        return chunks
+
+    try:
+        chunks = asyncio.run(asyncio.wait_for(main(), timeout=120))
+    finally:
+        engine.shutdown()
+    assert chunks[-1].finished and sum(len(c.new_tokens) for c in chunks) == 300
+
+
 def test_an_engine_failure_ends_an_intervals_wait(tiny_target):
     engine = AsyncEngine(BatchEngine(tiny_target, random_drafter(tiny_target, "dspark"), max_batch_size=4),
                          stream_interval_s=3600.0)
