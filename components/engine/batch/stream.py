@@ -4,7 +4,7 @@ What a server replica (Ray Serve, an HTTP handler) holds::
 
     engine = AsyncEngine(BatchEngine(target, drafter))
     async for chunk in engine.stream(Request(prompt_ids, 64, stop_token_ids=(eos,))):
-        send(chunk.new_tokens)              # one chunk per round: 1..γ+1 tokens
+        send(chunk.new_tokens)              # one chunk per round (1..γ+1 tokens), or per stream interval
     # leaving the loop early (client gone, asyncio cancellation) cancels the request and frees
     # its cache rows at the next round
 
