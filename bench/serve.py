@@ -21,7 +21,9 @@ completed/failed, duration, request throughput, output tokens/s, TTFT / TPOT ((e
 acceptance length from the ``/metrics`` diff (1 + accepted / drafts, vLLM's counter names),
 and output tokens/s relative to ``spec off`` at the same level; for a specline server, where the
 engine's time went (busy share of the wall time; prefill, target passes, drafting, the rest of
-its rounds). Nothing is asserted about time.
+its rounds), and where this machine's CPU went over the level (the replica, Ray Serve's HTTP proxy
+and controller, the rest of Ray, this client, every other process; from the processes' own CPU
+times, so a server on another machine shows as nothing). Nothing is asserted about time.
 
 ``--method suffix`` (no ``--drafter``) or ``hybrid`` serves suffix decoding, whose global tree
 learns every response the server finishes: then each level runs prompts of its own, ``spec on``
@@ -219,6 +221,38 @@ def engine_time(mode: str, secs: float, diff: dict[str, float]) -> None:
           f"target passes {part['forward']:.1f} s, drafting {part['draft']:.2f} s, the rest {rest:.1f} s")
 
 
+# the processes whose CPU time the report splits out, by the title Ray gives them (else "other")
+CPU_PARTS = (("ray::ServeReplica", "replica"), ("ray::ProxyActor", "HTTP proxy"),
+             ("ray::ServeController", "Serve controller"))
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) every process on this machine has used so far, by part."""
+    import os
+
+    import psutil
+
+    total: dict[str, float] = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        cmd, times = " ".join(proc.info["cmdline"] or []), proc.info["cpu_times"]
+        if times is None:
+            continue
+        part = next((name for prefix, name in CPU_PARTS if cmd.startswith(prefix)), None)
+        if part is None:
+            ray = cmd.startswith("ray::") or "/ray/" in cmd or "ray-dashboard" in cmd
+            part = "this client" if proc.info["pid"] == os.getpid() else "the rest of Ray" if ray else "other"
+        total[part] = total.get(part, 0.0) + times.user + times.system
+    return total
+
+
+def cpu_time(mode: str, secs: float, before: dict[str, float], after: dict[str, float]) -> None:
+    """The level's CPU seconds by part (processes that ended meanwhile are not counted)."""
+    parts = ["replica", "HTTP proxy", "Serve controller", "the rest of Ray", "this client", "other"]
+    used = {p: max(0.0, after.get(p, 0.0) - before.get(p, 0.0)) for p in parts}
+    print(f"{'':>4} {mode:<8} CPU over {secs:.1f} s: " + ", ".join(f"{p} {used[p]:.1f} s" for p in parts
+                                                                   if p in after or p in before))
+
+
 # ----------------------------------------------------------------------------- setup
 def prompts_for(args: argparse.Namespace, count: int) -> tuple[list[list[int]], Any]:
     from components.config import EvalConfig, TargetConfig
@@ -288,13 +322,14 @@ def main() -> None:
             body = {"model": args.model, "max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}, **extra}
             one_request(url, {**body, "prompt": warm})  # warm-up, not timed
-            before = spec_counters(url)
+            before, cpu = spec_counters(url), cpu_seconds()
             runs, secs = closed_loop(url, [{**body, "prompt": p} for p in mine], conc)
+            cpu = cpu, cpu_seconds()
             time.sleep(POLL_WAIT_S)  # the replica copies engine counters into its metrics every 0.5 s
-            done[mode] = runs, secs, {k: v - before[k] for k, v in spec_counters(url).items()}
+            done[mode] = runs, secs, {k: v - before[k] for k, v in spec_counters(url).items()}, cpu
         base = None
         for mode, _ in modes:
-            runs, secs, diff = done[mode]
+            runs, secs, diff, cpu = done[mode]
             drafts, capped = diff[COUNTERS[0]], diff[COUNTERS[3]]
             tau = 1 + diff[COUNTERS[1]] / drafts if drafts > 0 else None
             tps = report(conc, mode, runs, secs, tau, base)
@@ -302,6 +337,7 @@ def main() -> None:
                 print(f"{'':>4} {mode:<8} mean draft cap {diff[COUNTERS[2]] / capped:.2f} over {capped:.0f} rounds "
                       f"({drafts:.0f} drafting rounds)")
             engine_time(mode, secs, diff)
+            cpu_time(mode, secs, *cpu)
             base = base or tps
 
 
