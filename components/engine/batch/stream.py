@@ -160,31 +160,34 @@ class AsyncEngine:
             else:
                 self.engine.cancel(arg)
 
-    def _deliver(self, rid: str, item: StepOutput | EngineError, now: float = 0.0) -> None:
-        """Hands ``item`` to the stream's loop, or holds it (merged) while the interval runs."""
+    def _deliver(self, rid: str, out: StepOutput, now: float) -> None:
+        """Hands ``out`` (merged with what was held) to the stream's loop, or holds it while the
+        interval runs."""
         stream = self._streams.get(rid)
         if stream is None:
             return
-        if isinstance(item, StepOutput):
-            if stream.held is not None:
-                item, stream.held = merged(stream.held, item), None
-            due = stream.sent is None or now - stream.sent >= self.stream_interval_s
-            if not (due or item.finished):
-                stream.held = item
-                return
-            stream.sent = now
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        if stream.held is not None:
+            out, stream.held = merged(stream.held, out), None
+        if stream.sent is not None and now - stream.sent < self.stream_interval_s and not out.finished:
+            stream.held = out
+            return
+        stream.sent = now
+        self._send(stream, out)
 
     def _release_held(self) -> None:
         now = time.perf_counter()
         for stream in list(self._streams.values()):
             if stream.held is not None:
-                item, stream.held, stream.sent = stream.held, None, now
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+                held, stream.held, stream.sent = stream.held, None, now
+                self._send(stream, held)
+
+    @staticmethod
+    def _send(stream: _Stream, item: StepOutput | EngineError) -> None:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _fail(self, exc: BaseException) -> None:
         self._failed = exc
         error = EngineError(f"engine round failed: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
-        for rid in list(self._streams):
-            self._deliver(rid, error)
+        for stream in list(self._streams.values()):
+            self._send(stream, error)

@@ -298,7 +298,6 @@ def test_a_step_reading_blocks_decodes_as_the_target(tiny_target_cfg, stored_tar
             assert engine.generate(prompt, MAX_NEW).tokens == want
 
 
-
 @needs_kernel
 def test_a_verify_pass_of_many_rows_reads_the_heads_blocks(tiny_target_cfg, stored_target, tmp_path, monkeypatch):
     """Past the rows where the step's products go to torch's float32 GEMM (a prompt's), a pass's
@@ -316,6 +315,7 @@ def test_a_verify_pass_of_many_rows_reads_the_heads_blocks(tiny_target_cfg, stor
     assert rows and max(rows) == MAX_KERNEL_ROWS + 8  # the head's rows, in one product over its blocks
     want = plain.forward(ids[:, 8:], cache=ref.cache, use_cache=True).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
 
 def test_step_weights_setting(tiny_target_cfg, tiny_target, stored_target, tmp_path):
     from components.target.fast import block_index
