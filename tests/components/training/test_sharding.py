@@ -4,8 +4,10 @@ and its checkpoints are the unsharded format that resumes sharded or unsharded."
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
 import socket
+import warnings
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,7 @@ def _full_weights(state) -> dict[str, torch.Tensor]:
 def _worker(rank: int, port: int, target_cfg: TargetConfig, out: str) -> None:
     from components.target import load_target
 
+    faulthandler.enable()  # a crash inside torch/gloo prints where it happened
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
@@ -85,7 +88,18 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, tiny_target_cfg, tiny_target_build) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(_free_port(), tiny_target_cfg, str(out)), nprocs=2, join=True)
+    try:
+        mp.spawn(_worker, args=(_free_port(), tiny_target_cfg, str(out)), nprocs=2, join=True)
+    except mp.ProcessExitedException as err:
+        # A rank killed by a signal (a SIGSEGV inside torch's gloo collectives, seen once in a
+        # full-suite run and never alone) is retried once, loudly; a Python error in a rank, or a
+        # second crash, fails the test.
+        if err.signal_name is None:
+            raise
+        warnings.warn(f"FSDP rank {err.error_index} died of {err.signal_name}; retrying the two ranks once",
+                      stacklevel=1)
+        out = tmp_path_factory.mktemp("fsdp")
+        mp.spawn(_worker, args=(_free_port(), tiny_target_cfg, str(out)), nprocs=2, join=True)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
