@@ -200,17 +200,16 @@ class StaticDecoder(nn.Module):
         ``seq[t]`` (its row of the slab k/v, per layer [B, h_kv, S, d]) at position and slot
         ``pos[t]``; it attends to that sequence's slots 0..pos[t] (rows of one sequence see each
         other causally) → logits [T, V] ([1, V] of the last row with ``last_only``), taps
-        [T, n, H], last [T, H]. Each layer is one kernel
-        call where ``kernels`` is set (float32), else torch ops with a per-row attention loop
-        (a reference, slow)."""
+        [T, n, H], last [T, H]. All layers in one kernel call where ``kernels`` is set (float32),
+        else torch ops with a per-row attention loop (a reference, slow)."""
         s, t = self.shape, ids.shape[0]
         x = self.embed(ids).contiguous()  # [T, H], changed in place layer by layer
+        if self.kernels is not None and x.dtype == torch.float32:  # every layer in one kernel call
+            stacked = self.kernels.layers(x, seq, pos, s, self.layers, k, v, self.cos, self.sin, threads, self.taps)
+            return self._head_rows(self._norm(x[-1:] if last_only else x, self.final_norm)), stacked, x
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            if self.kernels is not None and x.dtype == torch.float32:
-                self.kernels.layer(x, seq, pos, s, layer, k[i], v[i], self.cos, self.sin, threads)
-            else:
-                x = self._layer_rows(x, seq, pos, layer, k[i], v[i])
+            x = self._layer_rows(x, seq, pos, layer, k[i], v[i])
             if i in self.taps:
                 taps[i] = x.clone()
         stacked = torch.stack([taps[i] for i in self.taps], dim=1) if self.taps else x.new_zeros(t, 0, s.hidden)

@@ -196,6 +196,11 @@ class RowsGemm:
                                 + [ctypes.c_float] + [ctypes.c_void_p] * 10
                                 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p])
         self._layer.restype = None
+        self._layers = lib.llama_layers
+        self._layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
+                                 + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+                                 + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64])
+        self._layers.restype = None
 
     @classmethod
     def build(cls, directory: Path, isa: str | None = None, q41: str | None = None) -> RowsGemm:
@@ -261,6 +266,38 @@ class RowsGemm:
                     shape.head_dim, w.down.shape[1], shape.eps, ptr(w.norm1), qkv, ptr(w.q_norm), ptr(w.k_norm), o,
                     ptr(w.norm2), gate_up, down, k.data_ptr(), v.data_ptr(), k.shape[2], cos.data_ptr(), sin.data_ptr(),
                     threads or torch.get_num_threads(), formats, ptr(upto))
+
+    def layers(self, x: Tensor, seq: Tensor, pos: Tensor, shape: Any, weights: Sequence[Any], k: Sequence[Tensor],
+               v: Sequence[Tensor], cos: Tensor, sin: Tensor, threads: int | None = None,
+               taps: Sequence[int] = ()) -> Tensor:
+        """``layer`` for every layer of ``weights`` in turn (layer i on the slab k[i]/v[i]), in one
+        call: the same bits as one ``layer`` call each, without a call's overhead per layer (a
+        decode step's 30 calls cost about as much as its attention). → x after each layer of
+        ``taps`` (in that order), [T, len(taps), H]."""
+        if not all(t.is_contiguous() for t in (*k, *v)) or not seq.dtype == pos.dtype == torch.int64:
+            raise KernelUnavailable("RowsGemm.layers takes contiguous slabs and int64 seq/pos")
+        ptrs: list[int | None] = []
+        formats = []
+        for w, kc, vc in zip(weights, k, v, strict=True):
+            cache = w.__dict__.setdefault("_kernel_args", {})
+            fixed = cache.get(x.shape[0] > BLOCK_ROWS)
+            if fixed is None:
+                fixed = cache[x.shape[0] > BLOCK_ROWS] = self._products(x.shape[0], w)
+            (qkv, o, gate_up, down), fmt = fixed
+            ptrs += [w.norm1.data_ptr(), qkv, w.q_norm.data_ptr() if w.q_norm is not None else None,
+                     w.k_norm.data_ptr() if w.k_norm is not None else None, o, w.norm2.data_ptr(), gate_up, down,
+                     kc.data_ptr(), vc.data_ptr()]
+            formats += fmt
+        tap_of = [-1] * len(weights)
+        for j, i in enumerate(taps):
+            tap_of[i] = j
+        out = x.new_empty(x.shape[0], len(taps), shape.hidden)
+        self._layers(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads, shape.kv_heads,
+                     shape.head_dim, weights[0].down.shape[1], shape.eps, len(weights),
+                     (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_int32 * len(formats))(*formats), k[0].shape[2],
+                     cos.data_ptr(), sin.data_ptr(), threads or torch.get_num_threads(), None,
+                     (ctypes.c_int64 * len(tap_of))(*tap_of), out.data_ptr(), len(taps))
+        return out
 
     @staticmethod
     def _products(rows: int, w: Any) -> tuple[tuple[int, ...], Any]:

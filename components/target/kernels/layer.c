@@ -259,3 +259,22 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
     for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
     free(h), free(qkv), free(att), free(tmp), free(act), free(scores);
 }
+
+/* A stack of L layers in one call: llama_layer for i = 0..L-1, layer i's pointers at
+ * ptrs[10 i ..]: norm1, wqkv, q_norm, k_norm, wo, norm2, wgu, wdown, kc, vc; its formats at
+ * formats[4 i ..]. After layer i, where tap_of[i] >= 0, x is copied into taps [T, n_taps, H] at
+ * tap tap_of[i]. The same arithmetic as L calls of llama_layer (the same bits); what it saves is
+ * the caller's per-call overhead (a decode step is 30 calls on SmolLM2). */
+void llama_layers(float *x, int64_t T, const int64_t *seq, const int64_t *pos, int64_t H, int64_t hq, int64_t hkv,
+                  int64_t d, int64_t inter, float eps, int64_t L, void *const *ptrs, const int32_t *formats,
+                  int64_t S, const float *cos, const float *sin, int threads, const int64_t *upto,
+                  const int64_t *tap_of, float *taps, int64_t n_taps) {
+    for (int64_t i = 0; i < L; i++) {
+        void *const *p = ptrs + 10 * i;
+        llama_layer(x, T, seq, pos, H, hq, hkv, d, inter, eps, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7],
+                    p[8], p[9], S, cos, sin, threads, formats + 4 * i, upto);
+        if (tap_of[i] >= 0)
+            for (int64_t t = 0; t < T; t++)
+                memcpy(taps + (t * n_taps + tap_of[i]) * H, x + t * H, sizeof(float) * H);
+    }
+}

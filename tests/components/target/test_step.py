@@ -269,6 +269,31 @@ def test_attention_by_kv_head_gives_the_bits_of_one_head_at_a_time(tiny_target, 
     assert torch.equal(by_kv_head, by_head)
 
 
+@needs_kernel
+def test_all_layers_in_one_call_give_the_bits_of_a_call_per_layer(tiny_target, fast):
+    """``forward_rows`` runs every layer in one kernel call (``RowsGemm.layers``); the taps it
+    copies out and the state after the last layer are those of one ``RowsGemm.layer`` call per
+    layer, bit for bit, for a one-row step and a multi-row pass of two sequences."""
+    decoder, kernel = fast.decoder, fast.decoder.kernels
+    pool = fast.slot_pool(2)
+    for row, prompt in enumerate(prompts(tiny_target)[:2]):
+        decoder.prefill_row(torch.tensor([prompt[:30]]), pool.k, pool.v, row)
+    passes = [(torch.tensor([7]), torch.tensor([0]), torch.tensor([30])),  # one row
+              (torch.tensor([3, 9, 4]), torch.tensor([0, 0, 1]), torch.tensor([30, 31, 30]))]  # two sequences
+    for ids, seq, pos in passes:
+        x = decoder.embed(ids).contiguous()
+        taps = kernel.layers(x, seq, pos, decoder.shape, decoder.layers, pool.k, pool.v, decoder.cos, decoder.sin,
+                             2, decoder.taps)
+        y, want = decoder.embed(ids).contiguous(), []
+        for i, layer in enumerate(decoder.layers):
+            kernel.layer(y, seq, pos, decoder.shape, layer, pool.k[i], pool.v[i], decoder.cos, decoder.sin, 2)
+            if i in decoder.taps:
+                want.append(y.clone())
+        assert taps.shape == (ids.shape[0], len(decoder.taps), decoder.shape.hidden)
+        assert torch.equal(taps, torch.stack(want, dim=1)) and torch.equal(x, y)
+        assert not torch.equal(taps[:, 0], taps[:, 1])  # the taps of different layers, not one copied twice
+
+
 def test_last_logits_are_the_last_row_of_the_full_pass(tiny_target, fast):
     """A prefill asks for its last position's logits only (both targets), and they are the full
     pass's last row."""
