@@ -40,7 +40,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -298,6 +298,18 @@ class RowsGemm:
                      cos.data_ptr(), sin.data_ptr(), threads or torch.get_num_threads(), None,
                      (ctypes.c_int64 * len(tap_of))(*tap_of), out.data_ptr(), len(taps))
         return out
+
+    def bound_product(self, x: Tensor, w: PackedWeight, y: Tensor, threads: int | None = None) -> Callable[[], None]:
+        """``y = x @ w.T`` (x [M, K], y [M, N], contiguous float32) as a call with its arguments
+        bound: no checks or allocation per call, for timing the kernel's product alone."""
+        w = w.for_rows(x.shape[0])
+        n, k = w.shape
+        if not (x.is_contiguous() and y.is_contiguous() and x.shape[1] == k and y.shape == (x.shape[0], n)):
+            raise ValueError(f"bound_product: x {tuple(x.shape)}, y {tuple(y.shape)} against a weight [{n}, {k}]")
+        self._check(x, y)
+        fn = self._blocks[w.format] if w.format != "f32" else self._packed
+        args = (x.data_ptr(), w.panels.data_ptr(), y.data_ptr(), x.shape[0], k, n, threads or torch.get_num_threads())
+        return lambda: fn(*args)
 
     @staticmethod
     def _products(rows: int, w: Any) -> tuple[tuple[int, ...], Any]:

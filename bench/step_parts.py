@@ -1,0 +1,170 @@
+"""Where one decode step of the fast target goes, part by part, beside each part's floor.
+
+A step T(1) at ``--context`` tokens of context is split into what the kernel does:
+
+* each product kind of the decoder layers (q|k|v, o, gate|up, down), all layers, one row, in
+  layer order, through the kernel's own entry point (no Python between calls);
+* the head (the tied embedding, one row);
+* the layers' other work: every layer in one call at context 1 and at ``--context``, less their
+  products (norms, RoPE, SiLU and attention over one slot; the attention over the context is the
+  difference between the two);
+* the rest of the step (embedding, final norm, Python, the logits' allocation): the step less
+  the layers at ``--context`` and the head.
+
+Each part beside its floors measured in the same run: its bytes (weights, or keys and values)
+over the bandwidth of a sum over a tensor as large as the step's weights on the same threads,
+and for products the arithmetic (two FLOP a weight) at the kernel's vector FMA peak. Medians of
+``--reps``, the parts interleaved so that load from other processes falls on all alike.
+
+    python bench/step_parts.py [--threads 2 --context 256 --reps 41 --cache-dir DIR]
+
+Prints a markdown table. Nothing is asserted; the numbers describe this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from components.config import SMOLLM2_TARGET, TargetConfig
+from components.engine.core import crop_cache
+from components.target import load_target
+from components.target.fast import StepTarget, step_target
+
+PRODUCTS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass
+class Part:
+    """One part of a step: its median seconds, the bytes it must read (0: none to speak of), the
+    weights it multiplies (products only)."""
+
+    name: str
+    seconds: float
+    bytes: int = 0
+    weights: int = 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--reps", type=int, default=41)
+    p.add_argument("--cache-dir", default=str(Path("~/.cache/specline/targets").expanduser()))
+    return p.parse_args(argv)
+
+
+def _median_interleaved(calls: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
+    """Median seconds of each call, the calls taken in turn ``reps`` times (after one warm-up)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for rep in range(reps + 1):
+        for name, call in calls.items():
+            clock = time.perf_counter()
+            call()
+            if rep:
+                times[name].append(time.perf_counter() - clock)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def step_parts(target: StepTarget, context: int, reps: int, threads: int) -> list[Part]:
+    """The parts of a one-token step of ``target`` (the fast step with its kernels) at ``context``
+    tokens of context, on ``threads`` threads: the products by kind, the head, the layers' other
+    work at one slot and the attention over the rest of the context, and the rest of the step."""
+    d, kernel = target.decoder, target.decoder.kernels
+    if kernel is None:
+        raise ValueError("step_parts: the target's step has no kernels (target.step: fast)")
+    s, torch_threads = d.shape, torch.get_num_threads()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (1, context + 1), generator=gen)
+    cache = target.forward(ids[:, :context], use_cache=True).cache
+    calls: dict[str, Callable[[], None]] = {}
+    kept = []  # the products' inputs and outputs, alive while their calls are
+    for kind in PRODUCTS:
+        bound = []
+        for layer in d.layers:
+            w = getattr(layer, kind)
+            x, y = torch.randn(1, w.shape[1], generator=gen), torch.empty(1, w.shape[0])
+            kept.append((x, y))
+            bound.append(kernel.bound_product(x, w, y, threads))
+        calls[kind] = lambda bound=bound: [call() for call in bound]
+    x, y = torch.randn(1, s.hidden, generator=gen), torch.empty(1, d.head_weight.shape[0])
+    calls["head"] = kernel.bound_product(x, d.head_weight, y, threads)
+    row = d.embed(ids[0, -1:]).contiguous()
+    seq = torch.zeros(1, dtype=torch.long)
+    for at in (1, context):
+        pos, h = torch.tensor([at]), row.clone()
+        calls[f"layers@{at}"] = lambda pos=pos, h=h: kernel.layers(h.copy_(row), seq, pos, s, d.layers, cache.k, cache.v,
+                                                                   d.cos, d.sin, threads)
+
+    def step() -> None:
+        crop_cache(cache, context)
+        target.forward(ids[:, context:], cache=cache, use_cache=True)
+    calls["step"] = step
+    took = _median_interleaved(calls, reps)
+    torch.set_num_threads(torch_threads)
+
+    def nbytes(w) -> int:
+        return w.panels.numel() * w.panels.element_size()
+    parts = [Part(kind, took[kind], sum(nbytes(getattr(layer, kind)) for layer in d.layers),
+                  sum(getattr(layer, kind).shape.numel() for layer in d.layers)) for kind in PRODUCTS]
+    parts.append(Part("head", took["head"], nbytes(d.head_weight), d.head_weight.shape.numel()))
+    products = sum(p.seconds for p in parts[:len(PRODUCTS)])
+    kv_bytes = 2 * s.layers * s.kv_heads * s.head_dim * 4 * context  # float32 keys and values read once
+    parts.append(Part("layers' other work at one slot", took["layers@1"] - products))
+    parts.append(Part(f"attention over {context} slots", took[f"layers@{context}"] - took["layers@1"], kv_bytes))
+    parts.append(Part("rest of the step", took["step"] - took[f"layers@{context}"] - took["head"]))
+    parts.append(Part("step T(1)", took["step"], sum(p.bytes for p in parts), sum(p.weights for p in parts)))
+    return parts
+
+
+def table(parts: list[Part], bandwidth: float, fma_flops: float) -> list[str]:
+    """Markdown rows: each part's ms, share of the step, MB, GB/s, and its floors (bytes over
+    ``bandwidth`` B/s; two FLOP a weight at ``fma_flops`` FLOP/s)."""
+    step = parts[-1].seconds
+    lines = ["| part | ms | share | MB read | GB/s | memory floor ms | × | FMA floor ms | × |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in parts:
+        mem = p.bytes / bandwidth
+        fma = 2 * p.weights / fma_flops
+        lines.append(f"| {p.name} | {p.seconds * 1e3:.3f} | {p.seconds / step:.0%} | "
+                     + (f"{p.bytes / 1e6:.1f} | {p.bytes / p.seconds / 1e9:.1f} | {mem * 1e3:.3f} | {p.seconds / mem:.2f} | "
+                        if p.bytes and p.seconds > 0 else "– | – | – | – | ")
+                     + (f"{fma * 1e3:.3f} | {p.seconds / fma:.2f} |" if p.weights and p.seconds > 0 else "– | – |"))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = TargetConfig(name_or_path=SMOLLM2_TARGET, dtype="float32", device="cpu", cache_dir=args.cache_dir,
+                       step="fast", static_len=max(2048, args.context + 1))
+    target = step_target(load_target(cfg), cfg)
+    assert isinstance(target, StepTarget)
+    parts = step_parts(target, args.context, args.reps, args.threads)
+    torch.set_num_threads(args.threads)
+    stream = torch.randn(parts[-1].bytes // 4)
+    sums = []
+    for _ in range(args.reps):
+        clock = time.perf_counter()
+        stream.sum()
+        sums.append(time.perf_counter() - clock)
+    bandwidth = stream.numel() * 4 / statistics.median(sums)
+    fma = target.decoder.kernels.fma_rate(args.threads) * 1e9
+    print(f"SmolLM2-135M, fast step ({', '.join(target.weight_formats)} blocks, kernel {target.decoder.kernels.isa}), "
+          f"context {args.context}, {args.threads} thread(s), medians of {args.reps}; a sum over "
+          f"{stream.numel() * 4 / 1e6:.0f} MB: {bandwidth / 1e9:.1f} GB/s; vector FMAs {fma / 1e9:.0f} GFLOP/s\n")
+    print("\n".join(table(parts, bandwidth, fma)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""bench/step_parts.py on the fixture target behind the fast step (float32 panels): every part
+is timed and sized; the timings themselves describe the machine and are not checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from components.target.fast import StepTarget, step_target
+from components.target.kernels import why_unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("step_parts", ROOT / "bench" / "step_parts.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+@pytest.mark.skipif(why_unavailable() is not None, reason=f"kernel: {why_unavailable()}")
+def test_every_part_of_a_step_is_timed_and_sized(tiny_target_cfg, tiny_target):
+    cfg = dataclasses.replace(tiny_target_cfg, step="fast", static_len=64)
+    target = step_target(tiny_target, cfg)
+    assert isinstance(target, StepTarget)
+    threads = torch.get_num_threads()
+    parts = bench.step_parts(target, context=40, reps=2, threads=1)
+    assert torch.get_num_threads() == threads  # the caller's threads, restored
+    names = [p.name for p in parts]
+    assert names == [*bench.PRODUCTS, "head", "layers' other work at one slot", "attention over 40 slots",
+                     "rest of the step", "step T(1)"]
+    d, s = target.decoder, target.decoder.shape
+    for p, kind in zip(parts, bench.PRODUCTS, strict=False):  # the panels every layer's product reads
+        assert p.bytes == sum(getattr(layer, kind).panels.numel() * 4 for layer in d.layers)
+        assert p.weights == sum(getattr(layer, kind).shape.numel() for layer in d.layers) and p.seconds > 0
+    assert parts[4].weights == d.head_weight.shape.numel()
+    assert parts[6].bytes == 2 * s.layers * s.kv_heads * s.head_dim * 4 * 40  # keys and values, float32
+    assert parts[-1].bytes == sum(p.bytes for p in parts[:-1]) and all(math.isfinite(p.seconds) for p in parts)
+    lines = bench.table(parts, bandwidth=1e10, fma_flops=1e11)
+    assert len(lines) == 2 + len(parts) and all(line.count("|") == 10 for line in lines)
+    assert lines[2].split(" | ")[5] == f"{parts[0].bytes / 1e10 * 1e3:.3f}"  # bytes over the bandwidth
+
+
+def test_a_step_without_kernels_is_refused(tiny_target):
+    with pytest.raises(ValueError, match="no kernels"):
+        bench.step_parts(StepTarget(tiny_target, (), 64), context=8, reps=1, threads=1)
