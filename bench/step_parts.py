@@ -12,7 +12,8 @@ A step T(1) at ``--context`` tokens of context is split into what the kernel doe
   the layers at ``--context`` and the head.
 
 Each part beside its floors measured in the same run: its bytes (weights, or keys and values)
-over the bandwidth of a sum over a tensor as large as the step's weights on the same threads,
+over the bandwidth of a sum over a tensor as large as the step's weights on the same threads
+(timed among the parts),
 and for products the arithmetic (two FLOP a weight) at the kernel's vector FMA peak. Medians of
 ``--reps``, the parts interleaved so that load from other processes falls on all alike.
 
@@ -76,10 +77,11 @@ def _median_interleaved(calls: dict[str, Callable[[], None]], reps: int) -> dict
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def step_parts(target: StepTarget, context: int, reps: int, threads: int) -> list[Part]:
-    """The parts of a one-token step of ``target`` (the fast step with its kernels) at ``context``
+def step_parts(target: StepTarget, context: int, reps: int, threads: int) -> tuple[list[Part], float]:
+    """(the parts of a one-token step of ``target`` (the fast step with its kernels) at ``context``
     tokens of context, on ``threads`` threads: the products by kind, the head, the layers' other
-    work at one slot and the attention over the rest of the context, and the rest of the step."""
+    work at one slot and the attention over the rest of the context, and the rest of the step;
+    the bandwidth in B/s of a sum over a tensor of the step's weight bytes, timed among them)."""
     d, kernel = target.decoder, target.decoder.kernels
     if kernel is None:
         raise ValueError("step_parts: the target's step has no kernels (target.step: fast)")
@@ -111,6 +113,10 @@ def step_parts(target: StepTarget, context: int, reps: int, threads: int) -> lis
         crop_cache(cache, context)
         target.forward(ids[:, context:], cache=cache, use_cache=True)
     calls["step"] = step
+    weight_bytes = sum(w.panels.numel() * w.panels.element_size()
+                       for w in [d.head_weight, *(getattr(layer, kind) for layer in d.layers for kind in PRODUCTS)])
+    stream = torch.randn(weight_bytes // 4, generator=gen)
+    calls["sum"] = stream.sum
     took = _median_interleaved(calls, reps)
     torch.set_num_threads(torch_threads)
 
@@ -125,7 +131,7 @@ def step_parts(target: StepTarget, context: int, reps: int, threads: int) -> lis
     parts.append(Part(f"attention over {context} slots", took[f"layers@{context}"] - took["layers@1"], kv_bytes))
     parts.append(Part("rest of the step", took["step"] - took[f"layers@{context}"] - took["head"]))
     parts.append(Part("step T(1)", took["step"], sum(p.bytes for p in parts), sum(p.weights for p in parts)))
-    return parts
+    return parts, stream.numel() * 4 / took["sum"]
 
 
 def table(parts: list[Part], bandwidth: float, fma_flops: float) -> list[str]:
@@ -150,19 +156,11 @@ def main(argv: list[str] | None = None) -> None:
                        step="fast", static_len=max(2048, args.context + 1))
     target = step_target(load_target(cfg), cfg)
     assert isinstance(target, StepTarget)
-    parts = step_parts(target, args.context, args.reps, args.threads)
-    torch.set_num_threads(args.threads)
-    stream = torch.randn(parts[-1].bytes // 4)
-    sums = []
-    for _ in range(args.reps):
-        clock = time.perf_counter()
-        stream.sum()
-        sums.append(time.perf_counter() - clock)
-    bandwidth = stream.numel() * 4 / statistics.median(sums)
+    parts, bandwidth = step_parts(target, args.context, args.reps, args.threads)
     fma = target.decoder.kernels.fma_rate(args.threads) * 1e9
     print(f"SmolLM2-135M, fast step ({', '.join(target.weight_formats)} blocks, kernel {target.decoder.kernels.isa}), "
-          f"context {args.context}, {args.threads} thread(s), medians of {args.reps}; a sum over "
-          f"{stream.numel() * 4 / 1e6:.0f} MB: {bandwidth / 1e9:.1f} GB/s; vector FMAs {fma / 1e9:.0f} GFLOP/s\n")
+          f"context {args.context}, {args.threads} thread(s), medians of {args.reps}; a sum over a tensor of the "
+          f"weights' bytes: {bandwidth / 1e9:.1f} GB/s; vector FMAs {fma / 1e9:.0f} GFLOP/s\n")
     print("\n".join(table(parts, bandwidth, fma)))
 
 

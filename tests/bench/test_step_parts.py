@@ -35,7 +35,8 @@ def test_every_part_of_a_step_is_timed_and_sized(tiny_target_cfg, tiny_target):
     target = step_target(tiny_target, cfg)
     assert isinstance(target, StepTarget)
     threads = torch.get_num_threads()
-    parts = bench.step_parts(target, context=40, reps=2, threads=1)
+    parts, bandwidth = bench.step_parts(target, context=40, reps=2, threads=1)
+    assert bandwidth > 0
     assert torch.get_num_threads() == threads  # the caller's threads, restored
     names = [p.name for p in parts]
     assert names == [*bench.PRODUCTS, "head", "layers' other work at one slot", "attention over 40 slots",
