@@ -30,6 +30,10 @@
 
 #include "vexp.h"
 
+#ifndef ATTEND_AHEAD
+#define ATTEND_AHEAD 16 /* keys and values prefetched this many rows ahead of the one read */
+#endif
+
 void rows_gemm_packed(const float *x, const float *panels, float *y, int64_t M, int64_t K, int64_t N, int threads);
 void rows_gemm_q41(const float *x, const void *panels, float *y, int64_t M, int64_t K, int64_t N, int threads);
 void rows_gemm_q80(const float *x, const void *panels, float *y, int64_t M, int64_t K, int64_t N, int threads);
@@ -121,8 +125,11 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, c
                                                                int64_t n, int64_t d, float scale, const int G,
                                                                int64_t span, float *sc, float *out) {
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8)  /* the 8 keys stay in L1 across the G queries */
+    for (; j + 8 <= n; j += 8) {  /* the 8 keys stay in L1 across the G queries */
+        for (int64_t l = 0; l < 8 * d; l += 16)  /* keys ATTEND_AHEAD on (prefetching changes no bits) */
+            _mm_prefetch((const char *)(ks + (j + ATTEND_AHEAD) * d + l), _MM_HINT_T0);
         for (int g = 0; g < G; g++) scores8(q + g * d, ks + j * d, d, scale, sc + g * span + j);
+    }
     for (; j < n; j++)
         for (int g = 0; g < G; g++) sc[g * span + j] = dot(q + g * d, ks + j * d, d) * scale;
     float inv[4];
@@ -134,6 +141,7 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, c
             for (int c = 0; c < 8; c++) a[g][c] = _mm256_setzero_ps();
         for (j = 0; j < n; j++) {
             const float *v = vs + j * d + i0;
+            for (int64_t l = 0; l < 8 * width; l += 16) _mm_prefetch((const char *)(v + ATTEND_AHEAD * d + l), _MM_HINT_T0);
             if (width == 8) {
                 for (int c = 0; c < 8; c++) {
                     __m256 vc = _mm256_loadu_ps(v + 8 * c);
