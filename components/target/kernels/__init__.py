@@ -250,14 +250,9 @@ class RowsGemm:
             raise KernelUnavailable("RowsGemm.layer takes a contiguous slab and int64 seq/pos")
         if upto is not None and not (upto.dtype == torch.int64 and upto.is_contiguous() and upto.shape == pos.shape):
             raise KernelUnavailable("RowsGemm.layer takes upto as contiguous int64 [T], like pos")
-        # the packed products' arguments, fixed per weights and pass length (up to BLOCK_ROWS rows
-        # or more), kept on the weights object: a decode step makes 30 of these calls. The norms
-        # are the model's own parameters, whose storage may change (``model.to``): read each call.
-        cache = weights.__dict__.setdefault("_kernel_args", {})
-        fixed = cache.get(x.shape[0] > BLOCK_ROWS)
-        if fixed is None:
-            fixed = cache[x.shape[0] > BLOCK_ROWS] = self._products(x.shape[0], weights)
-        (qkv, o, gate_up, down), formats = fixed
+        # the packed products' arguments are kept on the weights object (``_fixed``); the norms
+        # are the model's own parameters, whose storage may change (``model.to``): read each call
+        (qkv, o, gate_up, down), formats = self._fixed(x.shape[0], weights)
         w = weights
 
         def ptr(t: Tensor | None) -> int | None:
@@ -271,19 +266,14 @@ class RowsGemm:
                v: Sequence[Tensor], cos: Tensor, sin: Tensor, threads: int | None = None,
                taps: Sequence[int] = ()) -> Tensor:
         """``layer`` for every layer of ``weights`` in turn (layer i on the slab k[i]/v[i]), in one
-        call: the same bits as one ``layer`` call each, without a call's overhead per layer (a
-        decode step's 30 calls cost about as much as its attention). → x after each layer of
-        ``taps`` (in that order), [T, len(taps), H]."""
+        call: the same bits as one ``layer`` call each, without a Python call per layer. → x after
+        each layer of ``taps`` (in that order), [T, len(taps), H]."""
         if not all(t.is_contiguous() for t in (*k, *v)) or not seq.dtype == pos.dtype == torch.int64:
             raise KernelUnavailable("RowsGemm.layers takes contiguous slabs and int64 seq/pos")
         ptrs: list[int | None] = []
         formats = []
         for w, kc, vc in zip(weights, k, v, strict=True):
-            cache = w.__dict__.setdefault("_kernel_args", {})
-            fixed = cache.get(x.shape[0] > BLOCK_ROWS)
-            if fixed is None:
-                fixed = cache[x.shape[0] > BLOCK_ROWS] = self._products(x.shape[0], w)
-            (qkv, o, gate_up, down), fmt = fixed
+            (qkv, o, gate_up, down), fmt = self._fixed(x.shape[0], w)
             ptrs += [w.norm1.data_ptr(), qkv, w.q_norm.data_ptr() if w.q_norm is not None else None,
                      w.k_norm.data_ptr() if w.k_norm is not None else None, o, w.norm2.data_ptr(), gate_up, down,
                      kc.data_ptr(), vc.data_ptr()]
@@ -310,6 +300,15 @@ class RowsGemm:
         fn = self._blocks[w.format] if w.format != "f32" else self._packed
         args = (x.data_ptr(), w.panels.data_ptr(), y.data_ptr(), x.shape[0], k, n, threads or torch.get_num_threads())
         return lambda: fn(*args)
+
+    def _fixed(self, rows: int, w: Any) -> tuple[tuple[int, ...], Any]:
+        """``_products`` of the layer weights ``w`` for a pass of ``rows`` rows, kept on ``w``
+        (fixed per weights and pass length: up to BLOCK_ROWS rows, or more)."""
+        cache = w.__dict__.setdefault("_kernel_args", {})
+        fixed = cache.get(rows > BLOCK_ROWS)
+        if fixed is None:
+            fixed = cache[rows > BLOCK_ROWS] = self._products(rows, w)
+        return fixed
 
     @staticmethod
     def _products(rows: int, w: Any) -> tuple[tuple[int, ...], Any]:

@@ -30,8 +30,10 @@
 
 #include "vexp.h"
 
+/* keys and values prefetched this many rows ahead of the one read (past a head's last row too:
+ * a prefetch never faults) */
 #ifndef ATTEND_AHEAD
-#define ATTEND_AHEAD 16 /* keys and values prefetched this many rows ahead of the one read */
+#define ATTEND_AHEAD 16
 #endif
 
 void rows_gemm_packed(const float *x, const float *panels, float *y, int64_t M, int64_t K, int64_t N, int threads);
