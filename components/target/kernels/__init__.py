@@ -52,7 +52,8 @@ HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("rows_gemm.c", "rows_gemm_blocks.c", "rows_gemm_512.c", "rows_gemm_amx.c",
                                          "layer.c"))
 HEADERS = (HERE / "vexp.h",)  # included by the sources (and by kernels elsewhere: -I this directory)
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+ATTEND_CHUNK = 256  # layer.c: keys a query's attention reads per unit of work (longer contexts are merged)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", f"-DATTEND_CHUNK={ATTEND_CHUNK}")
 # per instruction set: the flags that add to FLAGS (avx512: rows_gemm_512.c's packed products in
 # place of the AVX2 ones); an AVX512 CPU (torch's name: AVX-512 F/BW/VL/DQ) can run either
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DROWS_GEMM_AVX512")

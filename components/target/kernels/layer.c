@@ -16,11 +16,14 @@
  *
  * The weights come packed in panels of 16 rows, each product's in its own format (`formats`:
  * float32 panels, rows_gemm.c; or the checkpoint's Q4_1 / Q8_0 blocks, rows_gemm_blocks.c; on AVX-512 CPUs
- * rows_gemm_512.c's); attention runs one (token, key/value head) per OpenMP iteration, its
- * query heads together over each key and value row (one (token, head) where a one-row step has
- * fewer such units than twice the threads), 8 keys at a time, its exponentials (and SiLU's) by a
- * vectorized expf within 2 ulp; a query's bits are the same either way. Same arithmetic as the
- * torch path in float32, summed in another order.
+ * rows_gemm_512.c's); attention runs one (key/value head, chunk of keys, token) per OpenMP
+ * iteration, its query heads together over each key and value row (one (head, chunk, token)
+ * where a pass has fewer such units than twice the threads), 8 keys at a time, its exponentials
+ * (and SiLU's) by a vectorized expf within 2 ulp; a query's bits are the same either way and at
+ * any thread count. A query over more than ATTEND_CHUNK keys reads them in chunks of near-equal
+ * size (the split depends on its key count alone), merged by their softmax statistics: a long
+ * context's keys spread over the threads, each read once. Same arithmetic as the torch path in
+ * float32, summed in another order.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -34,6 +37,9 @@
  * a prefetch never faults) */
 #ifndef ATTEND_AHEAD
 #define ATTEND_AHEAD 16
+#endif
+#ifndef ATTEND_CHUNK /* the most keys a query's attention reads per unit of work (kernels.ATTEND_CHUNK) */
+#define ATTEND_CHUNK 256
 #endif
 
 void rows_gemm_packed(const float *x, const float *panels, float *y, int64_t M, int64_t K, int64_t N, int threads);
@@ -95,8 +101,9 @@ static inline void scores8(const float *q, const float *keys, int64_t d, float s
     _mm256_storeu_ps(s, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
 }
 
-/* sc [n] scores → their softmax's numerators e^(s - max) in place; returns 1 / Σ (the caller scales). */
-static inline float softmax_numerators(float *sc, int64_t n) {
+/* sc [n] scores → their softmax's numerators e^(s - max) in place; returns 1 / Σ (the caller
+ * scales); stats[0], stats[1] = max, Σ (what merging key chunks needs). */
+static inline float softmax_numerators(float *sc, int64_t n, float *stats) {
     int64_t j;
     float top = -INFINITY, sum = 0.f;
     __m256 tops = _mm256_set1_ps(-INFINITY);  /* exact in any order (a NaN score makes the output NaN either way) */
@@ -114,6 +121,7 @@ static inline float softmax_numerators(float *sc, int64_t n) {
     }
     for (; j < n; j++) sum += (sc[j] = exp1(sc[j] - top));
     sum += hsum8(total);
+    stats[0] = top, stats[1] = sum;
     return 1.f / sum;
 }
 
@@ -122,10 +130,11 @@ static inline float softmax_numerators(float *sc, int64_t n) {
  * and value row is loaded once for all G queries (it is read from memory once, not G times);
  * every query's arithmetic is the one-query order (8 keys at a time, exp8, values summed 64
  * dims at a time), so its result is bit for bit what it would be alone. G is a constant where
- * this is inlined (the accumulators stay in registers); d % 8 == 0. */
+ * this is inlined (the accumulators stay in registers); d % 8 == 0. stats [G, 2]: each query's
+ * score max and Σ e^(s - max) (softmax_numerators). */
 static inline __attribute__((always_inline)) void attend_group(const float *q, const float *ks, const float *vs,
                                                                int64_t n, int64_t d, float scale, const int G,
-                                                               int64_t span, float *sc, float *out) {
+                                                               int64_t span, float *sc, float *out, float *stats) {
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {  /* the 8 keys stay in L1 across the G queries */
         for (int64_t l = 0; l < 8 * d; l += 16)  /* keys ATTEND_AHEAD on (prefetching changes no bits) */
@@ -135,7 +144,7 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, c
     for (; j < n; j++)
         for (int g = 0; g < G; g++) sc[g * span + j] = dot(q + g * d, ks + j * d, d) * scale;
     float inv[4];
-    for (int g = 0; g < G; g++) inv[g] = softmax_numerators(sc + g * span, n);
+    for (int g = 0; g < G; g++) inv[g] = softmax_numerators(sc + g * span, n, stats + 2 * g);
     for (int64_t i0 = 0; i0 < d; i0 += 64) {
         int64_t width = d - i0 < 64 ? (d - i0) / 8 : 8;
         __m256 a[4][8];
@@ -165,13 +174,13 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, c
 /* One query q [d] over keys/values ks/vs [n, d] → out [d] = softmax(q kᵀ scale) v; sc: n floats
  * of scratch. Vectorized for d % 8 == 0 (8 keys a time, exp8, the values summed 64 dims at a time). */
 static void attend(const float *q, const float *ks, const float *vs, int64_t n, int64_t d, float scale,
-                   float *sc, float *out) {
+                   float *sc, float *out, float *stats) {
     if (d % 8 == 0) {
-        attend_group(q, ks, vs, n, d, scale, 1, n, sc, out);
+        attend_group(q, ks, vs, n, d, scale, 1, n, sc, out, stats);
         return;
     }
     for (int64_t j = 0; j < n; j++) sc[j] = dot(q, ks + j * d, d) * scale;
-    float inv = softmax_numerators(sc, n);
+    float inv = softmax_numerators(sc, n, stats);
     memset(out, 0, sizeof(float) * d);
     for (int64_t j = 0; j < n; j++)
         for (int64_t i = 0; i < d; i++) out[i] += sc[j] * vs[j * d + i];
@@ -181,12 +190,41 @@ static void attend(const float *q, const float *ks, const float *vs, int64_t n, 
 /* The `group` query heads of key/value head `kv`, one row: attend_group with G a constant where
  * the model's grouping allows (2, 3, 4 heads a key/value head), else one head at a time. */
 static void attend_heads(const float *q, const float *ks, const float *vs, int64_t n, int64_t d, float scale,
-                         int64_t group, int64_t span, float *sc, float *out) {
-    if (d % 8 == 0 && group == 2) attend_group(q, ks, vs, n, d, scale, 2, span, sc, out);
-    else if (d % 8 == 0 && group == 3) attend_group(q, ks, vs, n, d, scale, 3, span, sc, out);
-    else if (d % 8 == 0 && group == 4) attend_group(q, ks, vs, n, d, scale, 4, span, sc, out);
+                         int64_t group, int64_t span, float *sc, float *out, float *stats) {
+    if (d % 8 == 0 && group == 2) attend_group(q, ks, vs, n, d, scale, 2, span, sc, out, stats);
+    else if (d % 8 == 0 && group == 3) attend_group(q, ks, vs, n, d, scale, 3, span, sc, out, stats);
+    else if (d % 8 == 0 && group == 4) attend_group(q, ks, vs, n, d, scale, 4, span, sc, out, stats);
     else
-        for (int64_t g = 0; g < group; g++) attend(q + g * d, ks, vs, n, d, scale, sc + g * span, out + g * d);
+        for (int64_t g = 0; g < group; g++)
+            attend(q + g * d, ks, vs, n, d, scale, sc + g * span, out + g * d, stats + 2 * g);
+}
+
+/* A query over n keys reads them in ceil(n / ATTEND_CHUNK) chunks of near-equal size (the first
+ * ones one key longer): its chunk c is keys [c0, c1). The split depends on n alone. */
+static inline void chunk_of(int64_t n, int64_t c, int64_t *c0, int64_t *c1) {
+    int64_t chunks = (n + ATTEND_CHUNK - 1) / ATTEND_CHUNK, base = n / chunks, extra = n % chunks;
+    *c0 = c * base + (c < extra ? c : extra);
+    *c1 = *c0 + base + (c < extra);
+}
+
+/* out [d] = a query's attention from its per-chunk results part [chunks, d] (each normalized
+ * over its own keys) and stats [chunks, 2] (their score max and Σ e^(s - max)): chunk c weighs
+ * Σ_c e^(max_c - M) over the same summed over the chunks (M the largest max), summed in chunk
+ * order. One chunk is copied as it is (the bits of an unchunked attention). */
+static void merge_chunks(const float *part, const float *stats, int64_t chunks, int64_t d, float *out) {
+    if (chunks == 1) {
+        memcpy(out, part, sizeof(float) * d);
+        return;
+    }
+    float top = -INFINITY, total = 0.f, w[chunks];
+    for (int64_t c = 0; c < chunks; c++) top = stats[2 * c] > top ? stats[2 * c] : top;
+    for (int64_t c = 0; c < chunks; c++) total += (w[c] = stats[2 * c + 1] * exp1(stats[2 * c] - top));
+    for (int64_t c = 0; c < chunks; c++) w[c] /= total;
+    for (int64_t i = 0; i < d; i++) {
+        float acc = 0.f;
+        for (int64_t c = 0; c < chunks; c++) acc += w[c] * part[c * d + i];
+        out[i] = acc;
+    }
 }
 
 /* rotate_half RoPE on one head vector v [d] at table row c/s [d] */
@@ -207,13 +245,16 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
     int64_t width = (hq + 2 * hkv) * d, group = hq / hkv, span = 0;
     if (!upto) upto = pos;
     for (int64_t t = 0; t < T; t++) span = upto[t] + 1 > span ? upto[t] + 1 : span;
+    int64_t chunks = (span + ATTEND_CHUNK - 1) / ATTEND_CHUNK;  /* key chunks of the longest row */
     float scale = 1.f / sqrtf((float)d);
     float *h = malloc(sizeof(float) * T * H);
     float *qkv = malloc(sizeof(float) * T * width);
     float *att = malloc(sizeof(float) * T * hq * d);
     float *tmp = malloc(sizeof(float) * T * (H > 2 * inter ? H : 2 * inter));
     float *act = malloc(sizeof(float) * T * inter);
-    float *scores = malloc(sizeof(float) * hq * T * span);
+    float *scores = malloc(sizeof(float) * T * hq * chunks * ATTEND_CHUNK);
+    float *part = malloc(sizeof(float) * T * hq * chunks * d);  /* [T, hq, chunks, d]: each chunk's result */
+    float *stats = malloc(sizeof(float) * T * hq * chunks * 2);  /* [T, hq, chunks, 2]: its max and Σ */
 
     rms_rows(x, norm1, h, T, H, eps);
     gemm(formats[0], h, wqkv, qkv, T, H, width, threads);
@@ -232,22 +273,48 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
             memcpy(vc + at, row + (hq + hkv + g) * d, sizeof(float) * d);
         }
     }
-    if (T * hkv >= 2 * threads) {  /* (row, key/value head) units: a head's keys and values read once per row */
+    /* attention in units of (key/value head, chunk of keys, row): a head's keys and values read
+     * once for all its query heads (and, rows of one sequence being neighbours, from cache for the
+     * next row), a long context spread over the threads; (head, chunk, row) units where a pass has
+     * fewer than twice the threads of those. Each query's chunks are then merged (merge_chunks).
+     * A query's bits are the same either way, at any thread count. */
+    if (T * hkv * chunks >= 2 * threads) {
         #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t it = 0; it < hkv * T; it++) {
-            int64_t kv = it / T, t = it % T, n = upto[t] + 1;
-            const float *ks = kc + (seq[t] * hkv + kv) * S * d, *vs = vc + (seq[t] * hkv + kv) * S * d;
-            attend_heads(qkv + t * width + kv * group * d, ks, vs, n, d, scale, group, span,
-                         scores + it * group * span, att + t * hq * d + kv * group * d);
+        for (int64_t it = 0; it < hkv * chunks * T; it++) {
+            int64_t t = it % T, c = it / T % chunks, kv = it / (T * chunks), c0, c1;
+            if (c >= (upto[t] + ATTEND_CHUNK) / ATTEND_CHUNK) continue;  /* a row shorter than the longest */
+            chunk_of(upto[t] + 1, c, &c0, &c1);
+            int64_t n = c1 - c0;
+            const float *ks = kc + ((seq[t] * hkv + kv) * S + c0) * d, *vs = vc + ((seq[t] * hkv + kv) * S + c0) * d;
+            float out[group * d], st[group * 2];
+            attend_heads(qkv + t * width + kv * group * d, ks, vs, n, d, scale, group, ATTEND_CHUNK,
+                         scores + it * group * ATTEND_CHUNK, out, st);
+            for (int64_t g = 0; g < group; g++) {
+                int64_t at = (t * hq + kv * group + g) * chunks + c;
+                memcpy(part + at * d, out + g * d, sizeof(float) * d);
+                stats[2 * at] = st[2 * g], stats[2 * at + 1] = st[2 * g + 1];
+            }
         }
-    } else {  /* too few units for the threads (a one-row step): one (head, row) at a time */
+    } else {
         #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t it = 0; it < hq * T; it++) {
-            int64_t head = it / T, t = it % T, n = upto[t] + 1;
-            const float *q = qkv + t * width + head * d;
-            const float *ks = kc + (seq[t] * hkv + head / group) * S * d, *vs = vc + (seq[t] * hkv + head / group) * S * d;
-            attend(q, ks, vs, n, d, scale, scores + it * span, att + t * hq * d + head * d);
+        for (int64_t it = 0; it < hq * chunks * T; it++) {
+            int64_t t = it % T, c = it / T % chunks, head = it / (T * chunks), c0, c1;
+            if (c >= (upto[t] + ATTEND_CHUNK) / ATTEND_CHUNK) continue;
+            chunk_of(upto[t] + 1, c, &c0, &c1);
+            int64_t n = c1 - c0;
+            int64_t kv = head / group, at = (t * hq + head) * chunks + c;
+            const float *ks = kc + ((seq[t] * hkv + kv) * S + c0) * d, *vs = vc + ((seq[t] * hkv + kv) * S + c0) * d;
+            attend(qkv + t * width + head * d, ks, vs, n, d, scale, scores + it * ATTEND_CHUNK, part + at * d,
+                   stats + 2 * at);
         }
+    }
+    if (chunks == 1)
+        memcpy(att, part, sizeof(float) * T * hq * d);  /* [T, hq, 1, d] is [T, hq * d] */
+    else {
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t th = 0; th < T * hq; th++)
+            merge_chunks(part + th * chunks * d, stats + th * chunks * 2, upto[th / hq] / ATTEND_CHUNK + 1, d,
+                         att + th * d);
     }
     gemm(formats[1], att, wo, tmp, T, hq * d, H, threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
@@ -267,7 +334,7 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
     }
     gemm(formats[3], act, wdown, tmp, T, inter, H, threads);
     for (int64_t i = 0; i < T * H; i++) x[i] += tmp[i];
-    free(h), free(qkv), free(att), free(tmp), free(act), free(scores);
+    free(h), free(qkv), free(att), free(tmp), free(act), free(scores), free(part), free(stats);
 }
 
 /* A stack of L layers in one call: llama_layer for i = 0..L-1, layer i's pointers at

@@ -23,7 +23,7 @@ from components.engine.core import crop_cache
 from components.evaluation.runner import NEAR_TIE
 from components.target.fast import MAX_KERNEL_ROWS, KernelGemm, StepTarget, step_target, step_wanted
 from components.target.hf import Target, TargetError
-from components.target.kernels import RowsGemm, isas, why_unavailable
+from components.target.kernels import ATTEND_CHUNK, RowsGemm, isas, why_unavailable
 from components.target.step import StaticCache, causal_mask
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
 
@@ -219,53 +219,58 @@ def test_a_drafters_linears_stream_as_float32_when_asked(tiny_target_cfg, tiny_t
 
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 1), (3, 3)])  # 3, 4 (3 + 1) and 1 query heads per kv head
-def test_attention_of_every_group_size_equals_transformers(tiny_target, kernel, heads, kv_heads):
+@pytest.mark.parametrize("context", [41, 300])  # 300: past ATTEND_CHUNK keys, read in chunks and merged
+def test_attention_of_every_group_size_equals_transformers(tiny_target, kernel, heads, kv_heads, context):
     """A random Llama with SmolLM2's group of 3 query heads per kv head (and 4, and none shared):
-    a prefill, then passes of 1..9 new tokens over it, logits as transformers computes them."""
+    a prefill, then passes of 1..9 new tokens over it, logits as transformers computes them (past
+    ``ATTEND_CHUNK`` keys, from chunks merged)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(heads * 10 + kv_heads)
     config = LlamaConfig(vocab_size=96, hidden_size=64 * heads // 2, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
-                         max_position_embeddings=128, tie_word_embeddings=False)
+                         max_position_embeddings=320, tie_word_embeddings=False)
     model = LlamaForCausalLM(config).float().eval()
     target = Target(model, tiny_target.tokenizer, f"random-llama-{heads}-{kv_heads}")
-    fast = StepTarget(target, (), 128, KernelGemm(kernel), kernel)
-    ids = torch.randint(0, 96, (1, 60))
-    ref = target.forward(ids[:, :41], use_cache=True)
-    out = fast.forward(ids[:, :41], use_cache=True)
+    fast = StepTarget(target, (), 320, KernelGemm(kernel), kernel)
+    ids = torch.randint(0, 96, (1, context + 19))
+    ref = target.forward(ids[:, :context], use_cache=True)
+    out = fast.forward(ids[:, :context], use_cache=True)
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
     for count in (1, 2, 5, 9):
-        r = target.forward(ids[:, 41:41 + count], cache=ref.cache, use_cache=True)
-        o = fast.forward(ids[:, 41:41 + count], cache=out.cache, use_cache=True)
+        r = target.forward(ids[:, context:context + count], cache=ref.cache, use_cache=True)
+        o = fast.forward(ids[:, context:context + count], cache=out.cache, use_cache=True)
         torch.testing.assert_close(o.logits, r.logits, rtol=1e-4, atol=1e-4)
-        crop_cache(ref.cache, 41), crop_cache(out.cache, 41)
+        crop_cache(ref.cache, context), crop_cache(out.cache, context)
     model.double().float()  # the parameters' storage moves (the norms the kernel reads are the model's own)
-    again = fast.forward(ids[:, 41:42], cache=out.cache, use_cache=True)
-    torch.testing.assert_close(again.logits, target.forward(ids[:, 41:42], cache=ref.cache, use_cache=True).logits,
-                               rtol=1e-4, atol=1e-4)
+    again = fast.forward(ids[:, context:context + 1], cache=out.cache, use_cache=True)
+    want = target.forward(ids[:, context:context + 1], cache=ref.cache, use_cache=True).logits
+    torch.testing.assert_close(again.logits, want, rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 2), (8, 2)])  # 3, 2 and 4 query heads per kv head
-def test_attention_by_kv_head_gives_the_bits_of_one_head_at_a_time(tiny_target, kernel, heads, kv_heads):
-    """A pass with enough rows attends per (row, kv head), reading the kv head's keys and values
-    once for all its query heads; a one-row pass on more threads than that gives units attends
-    per (row, head). Both do each query's arithmetic in the one-head order, so the logits are the
-    same bits either way (the GEMMs' bits do not depend on the thread count)."""
+@pytest.mark.parametrize("keys", [37, 290])  # 290: two chunks of keys, merged
+def test_attention_by_kv_head_gives_the_bits_of_one_head_at_a_time(tiny_target, kernel, heads, kv_heads, keys):
+    """A pass with enough units attends per (kv head, chunk of keys, row), reading the kv head's
+    keys and values once for all its query heads; a one-row pass on more threads than that gives
+    units attends per (head, chunk, row). Both do each query's arithmetic in the one-head order,
+    with the same chunks (290 keys: two, merged), so the logits are the same bits either way (the
+    GEMMs' bits do not depend on the thread count)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(heads)
     config = LlamaConfig(vocab_size=96, hidden_size=64 * heads // 2, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
-                         max_position_embeddings=128, tie_word_embeddings=False)
+                         max_position_embeddings=320, tie_word_embeddings=False)
     target = Target(LlamaForCausalLM(config).float().eval(), tiny_target.tokenizer, f"random-llama-{heads}-{kv_heads}")
-    fast = StepTarget(target, (), 128, KernelGemm(kernel), kernel)
+    fast = StepTarget(target, (), 320, KernelGemm(kernel), kernel)
     cache = fast.new_cache()
-    fast.forward(torch.randint(0, 96, (1, 37)), cache=cache, use_cache=True)  # 37 keys: 4 blocks of 8 and a tail
-    row = (torch.tensor([5]), torch.tensor([0]), torch.tensor([37]))
-    by_kv_head = fast.decoder.forward_rows(*row, cache.k, cache.v, threads=1)[0]  # 1 row x 2 kv heads >= 2 x 1
-    by_head = fast.decoder.forward_rows(*row, cache.k, cache.v, threads=2)[0]  # 2 units < 2 x 2 threads
+    fast.forward(torch.randint(0, 96, (1, keys)), cache=cache, use_cache=True)  # 37: 4 blocks of 8 keys and a tail
+    row = (torch.tensor([5]), torch.tensor([0]), torch.tensor([keys]))
+    chunks = keys // ATTEND_CHUNK + 1
+    by_kv_head = fast.decoder.forward_rows(*row, cache.k, cache.v, threads=1)[0]  # 2 kv heads x chunks >= 2 x 1
+    by_head = fast.decoder.forward_rows(*row, cache.k, cache.v, threads=2 * chunks)[0]  # 2 x chunks < 2 x threads
     assert torch.equal(by_kv_head, by_head)
 
 
