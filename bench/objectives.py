@@ -93,6 +93,8 @@ def parse_args() -> argparse.Namespace:
                     "from (its own held-out figures are reported as 'dspark'), instead of training one for --steps")
     ap.add_argument("--max-anchors", type=int, default=0, help="first-draft anchors per record of the chained "
                     "objectives that draft twice (carryover, retrace; 0: the drafter's num_anchors)")
+    ap.add_argument("--carryover-verify", default="auto", help="carryover's verification: auto | tree (a record's "
+                    "branches in one masked pass) | branches (each branch its own sequence)")
     ap.add_argument("--mixed-precision", default="no", help="train.mixed_precision of every variant (no | auto | bf16)")
     ap.add_argument("--out", default="bench-objectives.json")
     return ap.parse_args()
@@ -134,6 +136,8 @@ def train(drafter: Any, objective: str, loss: str, records: list[Record], steps:
     """``steps`` optimizer steps of ``objective`` over ``records`` (fixed order, cycling)."""
     tc = TrainConfig(lr=lr, warmup_steps=warmup, seed=0, mixed_precision=args.mixed_precision)
     params = {"max_anchors": args.max_anchors} if objective in ("carryover", "retrace") else {}
+    if objective == "carryover":
+        params["verify"] = args.carryover_verify
     obj = build_objective(objective, drafter, build_loss(loss), params, ObjectiveContext(target))
     state = new_train_state(drafter, tc, steps, seed=0, objective=obj)
     order = np.random.default_rng(0).permutation(len(records))

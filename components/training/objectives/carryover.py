@@ -9,9 +9,15 @@ Per batch of recorded target rollouts, for block drafters declaring ``block_inte
    d_1..d_m equal to the recorded x_{a+1}..x_{a+m}, among the checkable ones (inside the
    sequence and supervised).
 2. **Verify, no gradients.** For every anchor with a rejection (m < checkable drafts), the frozen
-   target (``ObjectiveContext.target``) runs the branch [x_0..x_{a+m}, d_{m+1}..d_γ] (right-padded
-   batches of ``verify_chunk`` branches, sorted by length); its taps at the drafter's layer ids
-   at positions a+m+1..a+γ are the rejected states H_rej (γ − m rows per anchor).
+   target (``ObjectiveContext.target``) runs the branch [x_0..x_{a+m}, d_{m+1}..d_γ]; its taps at
+   the drafter's layer ids at positions a+m+1..a+γ are the rejected states H_rej (γ − m rows per
+   anchor). ``verify: tree`` runs all of a record's branches in one pass: the record's tokens up
+   to its last branch point, then every branch's drafts, each branch attending to its own prefix
+   and itself (a 4D mask, positions set per branch), so a prefix is computed once for all the
+   branches that share it. ``branches`` runs each branch as its own sequence (right-padded
+   batches of ``verify_chunk`` branches, sorted by length): every branch recomputes its prefix.
+   ``auto``: tree where the target's family declares attention that takes such a mask
+   (``TREE_MASK_FAMILIES``), else branches. Both give the same states up to float32 rounding.
 3. **Re-draft, with gradients.** The block anchored at a2 = a+m+1 (the correction token, the
    recorded x_{a+m+1}) reads the recorded target context at positions < a2 plus its own anchor's
    carryover rows: ``backbone.fuse(H_rej + E_carry)`` at their original positions a+m+1..a+γ,
@@ -23,9 +29,7 @@ Choices: anchors with a full accept (m = all checkable drafts) are kept and trai
 blocks at a2 with no carryover rows: at inference the carryover KV is empty after a full accept,
 and this keeps that case in the training distribution. Second anchors whose first target x_{a2+1}
 is outside the sequence or unsupervised are dropped (-1) before verification, so the target never
-runs a branch that cannot be trained. Branches are separate right-padded target sequences (not
-one block-diagonal mask over a shared prefix): exact with any HF model, at the cost of recomputing
-each branch's prefix.
+runs a branch that cannot be trained.
 
 Requires of its drafter (checked when built, :func:`components.drafters.capabilities.require`):
 ``block_internals`` (the block backbone it unrolls) and ``carryover`` (E_carry, which exists with
@@ -55,6 +59,16 @@ from components.drafters.layers import KV
 from components.losses import DrafterLoss, LossOutput
 from components.spec.sampling import GREEDY
 from components.training.objectives.base import Objective, ObjectiveContext, register_objective
+
+VERIFY_MODES = ("auto", "tree", "branches")
+# HF model types whose attention takes a custom 4D mask with position ids (branches sharing a prefix)
+TREE_MASK_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tree_masks(target: Any) -> bool:
+    """Whether ``target`` (a ``Target``) is of a family declared to take a branch mask."""
+    config = getattr(getattr(target, "model", None), "config", None)
+    return getattr(config, "model_type", None) in TREE_MASK_FAMILIES
 
 
 class CarryoverDrafter(BlockInternals, Carryover, Protocol):
@@ -136,7 +150,8 @@ class CarryoverObjective(Objective):
     class Params:
         max_anchors: int = 0  # first-draft anchors per row (0: the drafter's num_anchors)
         chunk: int = 32  # anchors per no-grad first-draft pass
-        verify_chunk: int = 16  # rejected branches per target forward
+        verify_chunk: int = 16  # rejected branches per target forward (verify: branches)
+        verify: str = "auto"  # auto | tree | branches (module docstring)
 
     drafter: CarryoverDrafter  # besides the core Drafter interface (layer_ids, cfg, train/eval)
 
@@ -152,7 +167,13 @@ class CarryoverObjective(Objective):
         for name in ("chunk", "verify_chunk"):
             if int(getattr(params, name)) < 1:
                 raise DrafterError(f"objective 'carryover': {name} must be >= 1, got {getattr(params, name)}")
+        if params.verify not in VERIFY_MODES:
+            raise DrafterError(f"objective 'carryover': verify must be one of {list(VERIFY_MODES)}, got '{params.verify}'")
+        if params.verify == "tree" and not tree_masks(context.target):
+            raise DrafterError("objective 'carryover': verify: tree needs a target whose attention takes a branch "
+                               f"mask (model_type one of {list(TREE_MASK_FAMILIES)}); use verify: branches")
         super().__init__(drafter, loss, params, context)
+        self.tree = params.verify == "tree" or (params.verify == "auto" and tree_masks(context.target))
 
     # ------------------------------------------------------------------ 2. verification
     @torch.no_grad()
@@ -172,8 +193,13 @@ class CarryoverObjective(Objective):
         if not todo:
             return out
         anchors, accepted = first.anchors.tolist(), first.accepted.tolist()
-        todo.sort(key=lambda bi: anchors[bi[0]][bi[1]])  # similar lengths share a padded batch
         ids_cpu, drafts_cpu = batch.input_ids.cpu(), first.drafts.cpu()
+        if self.tree:
+            for r in sorted({r for r, _ in todo}):
+                self._verify_record([i for rr, i in todo if rr == r], anchors[r], accepted[r], ids_cpu[r],
+                                    drafts_cpu[r], out[r])
+            return out
+        todo.sort(key=lambda bi: anchors[bi[0]][bi[1]])  # similar lengths share a padded batch
         for lo in range(0, len(todo), self.params.verify_chunk):
             part = todo[lo:lo + self.params.verify_chunk]
             lengths = [anchors[r][i] + gamma + 1 for r, i in part]
@@ -190,6 +216,36 @@ class CarryoverObjective(Objective):
                 a, m = anchors[r][i], accepted[r][i]
                 out[r, i, :gamma - m] = taps[c, a + m + 1:a + gamma + 1].to(out.device, out.dtype)
         return out
+
+    def _verify_record(self, items: list[int], anchors: list[int], accepted: list[int], ids: Tensor, drafts: Tensor,
+                       out: Tensor) -> None:
+        """``verify`` (tree) of one record's rejected anchors ``items``: one target pass over its
+        tokens x_0..x_p (p: the last branch point) and then every branch's drafts, each branch
+        attending to x_0..x_{a+m} and causally to itself, at positions a+m+1..a+γ. Writes each
+        anchor's rows into ``out`` [A, γ, n, H]; ids [T], drafts [A, γ]."""
+        target, gamma = self.context.target, self.drafter.max_speculative_tokens
+        prefix = max(anchors[i] + accepted[i] for i in items) + 1
+        widths = [gamma - accepted[i] for i in items]
+        q = prefix + sum(widths)
+        tokens, positions = torch.empty(q, dtype=torch.long), torch.empty(q, dtype=torch.long)
+        mask = torch.zeros(q, q, dtype=torch.bool)  # [query, key]: True where it attends
+        tokens[:prefix], positions[:prefix] = ids[:prefix], torch.arange(prefix)
+        mask[:prefix, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool).tril()
+        at = prefix
+        for i, width in zip(items, widths):
+            branch = anchors[i] + accepted[i] + 1  # the branch's first position
+            tokens[at:at + width] = drafts[i, accepted[i]:]
+            positions[at:at + width] = torch.arange(branch, branch + width)
+            mask[at:at + width, :branch] = True
+            mask[at:at + width, at:at + width] = torch.ones(width, width, dtype=torch.bool).tril()
+            at += width
+        dev = target.device
+        taps = target.forward(tokens[None].to(dev), attention_mask=mask[None, None].to(dev),
+                              layer_ids=self.drafter.layer_ids, position_ids=positions[None].to(dev)).hidden[0]
+        at = prefix
+        for i, width in zip(items, widths):
+            out[i, :width] = taps[at:at + width].to(out.device, out.dtype)
+            at += width
 
     # ------------------------------------------------------------------ 3. second draft
     def carry_context(self, carry_hidden: Tensor, positions: Tensor) -> list[KV]:

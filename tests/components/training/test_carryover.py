@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 
@@ -20,6 +21,7 @@ from components.training.objectives import ObjectiveContext, build_objective
 from components.training.objectives.carryover import (
     CarryoverObjective,
     first_drafts_at_sampled_anchors,
+    tree_masks,
 )
 from tests.components.training.test_training_steps import _record, first_step_descends
 
@@ -60,10 +62,13 @@ def records(tiny_target):
     return [_record(tiny_target, ids, n, 3, i, "float16") for i, n in enumerate([20, 16, 18])]
 
 
-@pytest.mark.parametrize("name", ["dspark", "dflash"])
-def test_first_draft_is_free_running_and_verification_is_the_target_on_the_branch(name, tiny_target, records):
+@pytest.mark.parametrize("name,verify", [("dspark", "tree"), ("dspark", "branches"), ("dflash", "auto")])
+def test_first_draft_is_free_running_and_verification_is_the_target_on_the_branch(name, verify, tiny_target, records):
+    """Either way of verifying (every branch of a record in one masked pass, or each branch as its
+    own sequence) gives each rejected branch the states of the target's own pass over it."""
     drafter = _drafter(tiny_target, name).eval()
-    obj = _objective(tiny_target, drafter, chunk=3, verify_chunk=2)
+    obj = _objective(tiny_target, drafter, chunk=3, verify_chunk=2, verify=verify)
+    assert obj.tree == (verify != "branches")  # the fixture is a Qwen3: a declared tree-mask family
     batch = _planted_batch(drafter, records)
     first = first_drafts_at_sampled_anchors(drafter, batch, 0, obj.params.chunk, None)  # the planted anchors
     gamma = drafter.max_speculative_tokens
@@ -164,6 +169,20 @@ def test_refuses_drafters_without_block_states_or_carry_embed(tiny_target):
     with pytest.raises(DrafterError, match="ObjectiveContext.target is None"):
         build_objective("carryover", _drafter(tiny_target, "dflash"), build_loss("kl"))
     assert CarryoverObjective.drafter_overrides == {"carryover": True}
+
+
+def test_verify_setting_is_checked_and_tree_only_for_declared_families(tiny_target):
+    drafter = _drafter(tiny_target, "dflash")
+    with pytest.raises(DrafterError, match=r"verify must be one of \['auto', 'tree', 'branches'\], got 'trie'"):
+        _objective(tiny_target, drafter, verify="trie")
+    other = copy.copy(tiny_target)  # the same target, as if its model were of an undeclared family
+    other.model = copy.copy(tiny_target.model)
+    other.model.config = copy.deepcopy(tiny_target.model.config)
+    other.model.config.model_type = "gpt_neox"
+    assert not tree_masks(other) and tree_masks(tiny_target)
+    with pytest.raises(DrafterError, match=r"verify: tree needs a target whose attention takes a branch mask"):
+        _objective(other, drafter, verify="tree")
+    assert not _objective(other, drafter).tree and _objective(tiny_target, drafter).tree  # auto
 
 
 def test_load_offline_checkpoint_with_carryover_override(tiny_target, tmp_path, records):
