@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.benches import load_bench
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("budget_curve", ROOT / "bench" / "budget_curve.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-curve = _bench()
+curve = load_bench("budget_curve")
 
 
 def _record(prompt: int, response: int) -> SimpleNamespace:

@@ -4,29 +4,16 @@ is timed and sized; the timings themselves describe the machine and are not chec
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from components.target.fast import StepTarget, step_target
 from components.target.kernels import why_unavailable
+from tests.bench.benches import load_bench
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("step_parts", ROOT / "bench" / "step_parts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = load_bench("step_parts")
 
 
 @pytest.mark.skipif(why_unavailable() is not None, reason=f"kernel: {why_unavailable()}")

@@ -4,27 +4,16 @@ benchmark of SmolLM2 and is not run here); its windows and tables are checked di
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.benches import load_bench
 
-
-def _card():
-    spec = importlib.util.spec_from_file_location("target_card", ROOT / "bench" / "target_card.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-card = _card()
+card = load_bench("target_card")
 
 
 def test_spaced_windows_spread_evenly_and_never_overlap():
