@@ -56,6 +56,11 @@ class Part:
     weights: int = 0
 
 
+def _nbytes(w) -> int:
+    """Bytes of a packed weight's panels (what a one-row product reads)."""
+    return w.panels.numel() * w.panels.element_size()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -113,18 +118,15 @@ def step_parts(target: StepTarget, context: int, reps: int, threads: int) -> tup
         crop_cache(cache, context)
         target.forward(ids[:, context:], cache=cache, use_cache=True)
     calls["step"] = step
-    weight_bytes = sum(w.panels.numel() * w.panels.element_size()
-                       for w in [d.head_weight, *(getattr(layer, kind) for layer in d.layers for kind in PRODUCTS)])
+    weight_bytes = _nbytes(d.head_weight) + sum(_nbytes(getattr(layer, kind)) for layer in d.layers for kind in PRODUCTS)
     stream = torch.randn(weight_bytes // 4, generator=gen)
     calls["sum"] = stream.sum
     took = _median_interleaved(calls, reps)
     torch.set_num_threads(torch_threads)
 
-    def nbytes(w) -> int:
-        return w.panels.numel() * w.panels.element_size()
-    parts = [Part(kind, took[kind], sum(nbytes(getattr(layer, kind)) for layer in d.layers),
+    parts = [Part(kind, took[kind], sum(_nbytes(getattr(layer, kind)) for layer in d.layers),
                   sum(getattr(layer, kind).shape.numel() for layer in d.layers)) for kind in PRODUCTS]
-    parts.append(Part("head", took["head"], nbytes(d.head_weight), d.head_weight.shape.numel()))
+    parts.append(Part("head", took["head"], _nbytes(d.head_weight), d.head_weight.shape.numel()))
     products = sum(p.seconds for p in parts[:len(PRODUCTS)])
     kv_bytes = 2 * s.layers * s.kv_heads * s.head_dim * 4 * context  # float32 keys and values read once
     parts.append(Part("layers' other work at one slot", took["layers@1"] - products))

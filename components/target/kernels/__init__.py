@@ -251,17 +251,11 @@ class RowsGemm:
             raise KernelUnavailable("RowsGemm.layer takes a contiguous slab and int64 seq/pos")
         if upto is not None and not (upto.dtype == torch.int64 and upto.is_contiguous() and upto.shape == pos.shape):
             raise KernelUnavailable("RowsGemm.layer takes upto as contiguous int64 [T], like pos")
-        # the packed products' arguments are kept on the weights object (``_fixed``); the norms
-        # are the model's own parameters, whose storage may change (``model.to``): read each call
-        (qkv, o, gate_up, down), formats = self._fixed(x.shape[0], weights)
-        w = weights
-
-        def ptr(t: Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
+        pointers, formats = self._pointers(x.shape[0], weights, k, v)
         self._layer(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads, shape.kv_heads,
-                    shape.head_dim, w.down.shape[1], shape.eps, ptr(w.norm1), qkv, ptr(w.q_norm), ptr(w.k_norm), o,
-                    ptr(w.norm2), gate_up, down, k.data_ptr(), v.data_ptr(), k.shape[2], cos.data_ptr(), sin.data_ptr(),
-                    threads or torch.get_num_threads(), formats, ptr(upto))
+                    shape.head_dim, weights.down.shape[1], shape.eps, *pointers, k.shape[2], cos.data_ptr(),
+                    sin.data_ptr(), threads or torch.get_num_threads(), (ctypes.c_int32 * 4)(*formats),
+                    None if upto is None else upto.data_ptr())
 
     def layers(self, x: Tensor, seq: Tensor, pos: Tensor, shape: Any, weights: Sequence[Any], k: Sequence[Tensor],
                v: Sequence[Tensor], cos: Tensor, sin: Tensor, threads: int | None = None,
@@ -272,12 +266,10 @@ class RowsGemm:
         if not all(t.is_contiguous() for t in (*k, *v)) or not seq.dtype == pos.dtype == torch.int64:
             raise KernelUnavailable("RowsGemm.layers takes contiguous slabs and int64 seq/pos")
         ptrs: list[int | None] = []
-        formats = []
+        formats: list[int] = []
         for w, kc, vc in zip(weights, k, v, strict=True):
-            (qkv, o, gate_up, down), fmt = self._fixed(x.shape[0], w)
-            ptrs += [w.norm1.data_ptr(), qkv, w.q_norm.data_ptr() if w.q_norm is not None else None,
-                     w.k_norm.data_ptr() if w.k_norm is not None else None, o, w.norm2.data_ptr(), gate_up, down,
-                     kc.data_ptr(), vc.data_ptr()]
+            pointers, fmt = self._pointers(x.shape[0], w, kc, vc)
+            ptrs += pointers
             formats += fmt
         tap_of = [-1] * len(weights)
         for j, i in enumerate(taps):
@@ -302,25 +294,32 @@ class RowsGemm:
         args = (x.data_ptr(), w.panels.data_ptr(), y.data_ptr(), x.shape[0], k, n, threads or torch.get_num_threads())
         return lambda: fn(*args)
 
-    def _fixed(self, rows: int, w: Any) -> tuple[tuple[int, ...], Any]:
-        """``_products`` of the layer weights ``w`` for a pass of ``rows`` rows, kept on ``w``
-        (fixed per weights and pass length: up to BLOCK_ROWS rows, or more)."""
+    def _pointers(self, rows: int, w: Any, k: Tensor, v: Tensor) -> tuple[list[int | None], tuple[int, ...]]:
+        """(llama_layer's pointers of one layer: norm1, qkv, q_norm, k_norm, o, norm2, gate|up,
+        down, k, v; its products' formats) for a pass of ``rows`` rows. The products' panels are
+        fixed per weights and pass length (up to BLOCK_ROWS rows, or more) and kept on ``w``; the
+        norms are the model's own parameters, whose storage may change (``model.to``): read each
+        call."""
         cache = w.__dict__.setdefault("_kernel_args", {})
         fixed = cache.get(rows > BLOCK_ROWS)
         if fixed is None:
             fixed = cache[rows > BLOCK_ROWS] = self._products(rows, w)
-        return fixed
+        (qkv, o, gate_up, down), formats = fixed
+
+        def ptr(t: Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+        return [ptr(w.norm1), qkv, ptr(w.q_norm), ptr(w.k_norm), o, ptr(w.norm2), gate_up, down, k.data_ptr(),
+                v.data_ptr()], formats
 
     @staticmethod
-    def _products(rows: int, w: Any) -> tuple[tuple[int, ...], Any]:
+    def _products(rows: int, w: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(the panels' addresses of qkv, o, gate|up, down, their formats) for a pass of ``rows``
         rows: the layer's packed copies, which live as long as ``w``."""
         products = (w.qkv, w.o, w.gate_up, w.down)
         if not all(isinstance(p, PackedWeight) for p in products):
             raise KernelUnavailable("RowsGemm.layer takes packed weights (RowsGemm.pack)")
         products = tuple(p.for_rows(rows) for p in products)
-        formats = (ctypes.c_int32 * 4)(*(FORMATS.index(p.format) for p in products))
-        return tuple(p.panels.data_ptr() for p in products), formats
+        return tuple(p.panels.data_ptr() for p in products), tuple(FORMATS.index(p.format) for p in products)
 
     @staticmethod
     def _check(*tensors: Tensor) -> None:

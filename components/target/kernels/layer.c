@@ -199,10 +199,12 @@ static void attend_heads(const float *q, const float *ks, const float *vs, int64
             attend(q + g * d, ks, vs, n, d, scale, sc + g * span, out + g * d, stats + 2 * g);
 }
 
-/* A query over n keys reads them in ceil(n / ATTEND_CHUNK) chunks of near-equal size (the first
- * ones one key longer): its chunk c is keys [c0, c1). The split depends on n alone. */
+/* A query over n keys reads them in chunk_count(n) = ceil(n / ATTEND_CHUNK) chunks of near-equal
+ * size (the first ones one key longer): its chunk c is keys [c0, c1). The split depends on n alone. */
+static inline int64_t chunk_count(int64_t n) { return (n + ATTEND_CHUNK - 1) / ATTEND_CHUNK; }
+
 static inline void chunk_of(int64_t n, int64_t c, int64_t *c0, int64_t *c1) {
-    int64_t chunks = (n + ATTEND_CHUNK - 1) / ATTEND_CHUNK, base = n / chunks, extra = n % chunks;
+    int64_t chunks = chunk_count(n), base = n / chunks, extra = n % chunks;
     *c0 = c * base + (c < extra ? c : extra);
     *c1 = *c0 + base + (c < extra);
 }
@@ -245,7 +247,7 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
     int64_t width = (hq + 2 * hkv) * d, group = hq / hkv, span = 0;
     if (!upto) upto = pos;
     for (int64_t t = 0; t < T; t++) span = upto[t] + 1 > span ? upto[t] + 1 : span;
-    int64_t chunks = (span + ATTEND_CHUNK - 1) / ATTEND_CHUNK;  /* key chunks of the longest row */
+    int64_t chunks = chunk_count(span);  /* key chunks of the longest row */
     float scale = 1.f / sqrtf((float)d);
     float *h = malloc(sizeof(float) * T * H);
     float *qkv = malloc(sizeof(float) * T * width);
@@ -282,7 +284,7 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
         #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t it = 0; it < hkv * chunks * T; it++) {
             int64_t t = it % T, c = it / T % chunks, kv = it / (T * chunks), c0, c1;
-            if (c >= (upto[t] + ATTEND_CHUNK) / ATTEND_CHUNK) continue;  /* a row shorter than the longest */
+            if (c >= chunk_count(upto[t] + 1)) continue;  /* a row shorter than the longest */
             chunk_of(upto[t] + 1, c, &c0, &c1);
             int64_t n = c1 - c0;
             const float *ks = kc + ((seq[t] * hkv + kv) * S + c0) * d, *vs = vc + ((seq[t] * hkv + kv) * S + c0) * d;
@@ -299,7 +301,7 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
         #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t it = 0; it < hq * chunks * T; it++) {
             int64_t t = it % T, c = it / T % chunks, head = it / (T * chunks), c0, c1;
-            if (c >= (upto[t] + ATTEND_CHUNK) / ATTEND_CHUNK) continue;
+            if (c >= chunk_count(upto[t] + 1)) continue;
             chunk_of(upto[t] + 1, c, &c0, &c1);
             int64_t n = c1 - c0;
             int64_t kv = head / group, at = (t * hq + head) * chunks + c;
@@ -313,7 +315,7 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
     else {
         #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t th = 0; th < T * hq; th++)
-            merge_chunks(part + th * chunks * d, stats + th * chunks * 2, upto[th / hq] / ATTEND_CHUNK + 1, d,
+            merge_chunks(part + th * chunks * d, stats + th * chunks * 2, chunk_count(upto[th / hq] + 1), d,
                          att + th * d);
     }
     gemm(formats[1], att, wo, tmp, T, hq * d, H, threads);

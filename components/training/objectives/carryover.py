@@ -195,9 +195,11 @@ class CarryoverObjective(Objective):
         anchors, accepted = first.anchors.tolist(), first.accepted.tolist()
         ids_cpu, drafts_cpu = batch.input_ids.cpu(), first.drafts.cpu()
         if self.tree:
-            for r in sorted({r for r, _ in todo}):
-                self._verify_record([i for rr, i in todo if rr == r], anchors[r], accepted[r], ids_cpu[r],
-                                    drafts_cpu[r], out[r])
+            by_record: dict[int, list[int]] = {}
+            for r, i in todo:  # nonzero() order: by record, then anchor
+                by_record.setdefault(r, []).append(i)
+            for r, items in by_record.items():
+                self._verify_record(items, anchors[r], accepted[r], ids_cpu[r], drafts_cpu[r], out[r])
             return out
         todo.sort(key=lambda bi: anchors[bi[0]][bi[1]])  # similar lengths share a padded batch
         for lo in range(0, len(todo), self.params.verify_chunk):
