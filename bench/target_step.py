@@ -3,7 +3,8 @@
 step (``fast``: static slab + our weight-streaming kernel) reading float32 panels
 (``target.step_weights: float32``) and reading the checkpoint's own Q4_1 / Q8_0 blocks
 (``auto``; and through the kernel built for each other instruction set the CPU runs, e.g. AVX-512
-and AVX2 beside AMX, and with the AVX-512 build's other Q4_1 decoding), beside the floor measured in the same run: the seconds a pass needs to read every
+and AVX2 beside AMX, and with the AVX-512 build's other Q4_1 decoding and, where the CPU declares
+AVX-512 BF16, its products of bfloat16 inputs: ``target.step_precision: bfloat16``), beside the floor measured in the same run: the seconds a pass needs to read every
 weight once, taken from a sum over a tensor of the bytes each reads (the bandwidth one pass can
 use at that thread count).
 
@@ -37,7 +38,7 @@ from components.config import SMOLLM2_TARGET, TargetConfig
 from components.engine.core import crop_cache
 from components.target import load_target
 from components.target.fast import StepTarget, kernel_gemm, step_target
-from components.target.kernels import Q41_DECODES, RowsGemm, isas, q41_decode
+from components.target.kernels import BF16_FLAGS, Q41_DECODES, RowsGemm, cpuinfo, isas, q41_decode
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,17 +121,19 @@ def main(argv: list[str] | None = None) -> None:
 
 def _steps(hf: Any, cfg: TargetConfig) -> tuple[dict[str, StepTarget], RowsGemm, list[str]]:
     """(the fast steps timed, by name: float32 panels, the checkpoint's blocks, and the blocks through
-    the kernels of the CPU's other ISAs and Q4_1 decodings; the blocks' kernel; those variants)."""
+    the kernels of the CPU's other ISAs, Q4_1 decodings and precisions; the blocks' kernel; those variants)."""
     steps = {"fast": step_target(hf, dataclasses.replace(cfg, step_weights="float32")), "blocks": step_target(hf, cfg)}
     assert all(isinstance(t, StepTarget) for t in steps.values()) and steps["blocks"].weight_formats != ("f32",)
     best = steps["blocks"].decoder.kernels
-    variants = [(isa, isa, q41_decode(isa)) for isa in isas() if isa != best.isa]  # each with its own decoding
+    variants = [(isa, isa, q41_decode(isa), "float32") for isa in isas() if isa != best.isa]  # each its own decoding
     if best.isa == "avx512":
-        variants = [(f"{best.isa} {q41}", best.isa, q41) for q41 in Q41_DECODES if q41 != best.q41] + variants
-    for label, isa, q41 in variants:
-        kernel = RowsGemm.build(Path(cfg.cache_dir) / "kernels", isa, q41)
+        variants = [(f"{best.isa} {q41}", best.isa, q41, "float32") for q41 in Q41_DECODES if q41 != best.q41] + variants
+    if "avx512" in isas() and set(BF16_FLAGS) <= set((cpuinfo("flags") or "").split()):
+        variants.append(("avx512 bf16", "avx512", None, "bfloat16"))
+    for label, isa, q41, precision in variants:
+        kernel = RowsGemm.build(Path(cfg.cache_dir) / "kernels", isa, q41, precision)
         steps[f"blocks {label}"] = StepTarget(hf, (), cfg.static_len, kernel_gemm(hf, cfg, kernel), kernel)
-    return steps, best, [label for label, _, _ in variants]
+    return steps, best, [label for label, _, _, _ in variants]
 
 
 def _bytes_read(target: StepTarget) -> int:

@@ -37,6 +37,7 @@ from components.target.blocks import BLOCK, BlockIndex, quantize_q8_0
 from components.target.draft_layers import KernelLayers
 from components.target.hf import Target, TargetError, TargetOutput
 from components.target.kernels import (
+    PRECISIONS,
     KernelUnavailable,
     PackedWeight,
     RowsGemm,
@@ -76,7 +77,8 @@ class KernelGemm:
         """What ``prepare`` packed, e.g. 'weights: 61 as q4_1 blocks, 1 as q8_0 blocks'."""
         if set(self.packed) <= {"f32"}:
             return "weights: float32 panels"
-        return "weights: " + ", ".join(f"{n} as {f} blocks" if f != "f32" else f"{n} as float32 panels"
+        inputs = {"q4_1": f" (inputs in {self.kernel.precision})"} if self.kernel.precision != "float32" else {}
+        return "weights: " + ", ".join(f"{n} as {f} blocks{inputs.get(f, '')}" if f != "f32" else f"{n} as float32 panels"
                                       for f, n in sorted(self.packed.items()))
 
     def __call__(self, x: Tensor, w: PackedWeight | Tensor) -> Tensor:
@@ -101,6 +103,9 @@ class StepTarget(Target):
         self.capacity = capacity
         packed = getattr(gemm, "packed", {})
         self.weight_formats = tuple(sorted(f for f in packed if f != "f32")) or ("f32",)
+        # the Q4_1 products' precision (kernels.PRECISIONS): not float32, every pass must take this
+        # step, since the transformers forward computes in float32 (``forward``)
+        self.precision = getattr(kernels, "precision", "float32")
 
     def new_cache(self) -> StaticCache:
         return StaticCache(*self.decoder.new_slab(1))
@@ -183,6 +188,10 @@ class StepTarget(Target):
             out = self._forward_slots(input_ids, cache, layer_ids)
             return dataclasses.replace(out, logits=out.logits[:, -1:]) if last_logits else out
         if not self.serves(input_ids, attention_mask, layer_ids, cache, position_ids):
+            if self.precision != "float32" and "q4_1" in self.weight_formats:
+                raise TargetError(f"target.step_precision: {self.precision}: a pass the fast step does not run (a padded "
+                                  "batch, position ids, an HF cache or taps it was not built with) would compute in "
+                                  "float32 and differ from the target's own output; set target.step_precision: float32")
             return super().forward(input_ids, attention_mask, layer_ids, cache, use_cache, position_ids, last_logits)
         if cache is None:
             cache = self.new_cache()
@@ -225,16 +234,24 @@ def step_wanted(cfg: TargetConfig, target: Target) -> tuple[bool, str]:
 
 
 def wanted_kernel(target: Target, cfg: TargetConfig) -> tuple[RowsGemm | None, str]:
-    """(the kernel, "") where ``target.step`` chooses the fast step and the kernel builds, else
-    (None, why not); ``fast`` makes a failed build an error."""
+    """(the kernel of ``target.step_precision``, "") where ``target.step`` chooses the fast step
+    and the kernel builds, else (None, why not); ``fast`` makes a failed build an error, and so
+    does a precision other than float32 that the fast step cannot run (it asks for this step)."""
+    if cfg.step_precision not in PRECISIONS:
+        raise TargetError(f"target.step_precision: '{cfg.step_precision}' is not one of {list(PRECISIONS)}")
     wanted, why = step_wanted(cfg, target)
+    asked = cfg.step == "fast" or cfg.step_precision != "float32"
     if not wanted:
+        if cfg.step_precision != "float32":
+            raise TargetError(f"target.step_precision: {cfg.step_precision} runs in the fast step, which does not "
+                              f"run here ({why}); set target.step_precision: float32")
         return None, why
     try:
-        return rows_gemm(Path(cfg.cache_dir) / "kernels"), ""
+        return rows_gemm(Path(cfg.cache_dir) / "kernels", cfg.step_precision), ""
     except KernelUnavailable as err:
-        if cfg.step == "fast":
-            raise TargetError(f"target.step: fast, but {err}") from None
+        if asked:
+            key = "step: fast" if cfg.step_precision == "float32" else f"step_precision: {cfg.step_precision}"
+            raise TargetError(f"target.{key}, but {err}") from None
         return None, str(err)
 
 

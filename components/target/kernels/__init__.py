@@ -21,7 +21,10 @@
 * ``rows_gemm_amx.c`` -- the Q4_1 products of wide passes (a prompt, many rows at once) on the
   tile unit of CPUs with AMX (``isa`` "amx": the AVX-512 build with these in place of its Q4_1
   products; passes of a few rows keep the vector tiles): float32 arithmetic carried exactly
-  through bfloat16 tiles (three pieces of each input, the blocks' integers).
+  through bfloat16 tiles (three pieces of each input, the blocks' integers);
+* ``rows_gemm_bf16.c`` -- the Q4_1 products with their inputs rounded to bfloat16, on the dot
+  product unit of CPUs with AVX-512 BF16 (``precision`` "bfloat16": the AVX-512 build with these
+  in place of its Q4_1 products): half the instructions a weight, and no longer float32's output.
 
 ``RowsGemm.build(dir, isa)`` compiles the source into ``dir`` once (keyed by the instruction set
 and a hash of the source and flags; written under a temporary name and renamed, so an interrupted build leaves nothing) and
@@ -50,7 +53,7 @@ from torch import Tensor
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("rows_gemm.c", "rows_gemm_blocks.c", "rows_gemm_512.c", "rows_gemm_amx.c",
-                                         "layer.c"))
+                                         "rows_gemm_bf16.c", "layer.c"))
 HEADERS = (HERE / "vexp.h",)  # included by the sources (and by kernels elsewhere: -I this directory)
 ATTEND_CHUNK = 256  # layer.c: keys a query's attention reads per unit of work (longer contexts are merged)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", f"-DATTEND_CHUNK={ATTEND_CHUNK}")
@@ -61,6 +64,10 @@ AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DROWS_G
 ISA_FLAGS = {"avx2": (), "avx512": AVX512_FLAGS,
              "amx": (*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-DROWS_GEMM_AMX")}
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # what /proc/cpuinfo declares where the "amx" build runs
+# what a step's Q4_1 products compute in: float32 (the arithmetic of the float32 model, every
+# build) or bfloat16 inputs (rows_gemm_bf16.c: the AVX-512 build, where the CPU declares BF16)
+PRECISIONS = {"float32": (), "bfloat16": ("-mavx512bf16", "-DROWS_GEMM_BF16")}
+BF16_FLAGS = ("avx512_bf16",)  # what /proc/cpuinfo declares where the "bfloat16" build runs
 # AVX-512 only: how a Q4_1 weight becomes a float (rows_gemm_512.c): "permute" (a lookup in a table of
 # 0..15: fewer instructions, measured faster on an Intel Xeon, docs/results.md) or "convert" (mask
 # and convert, what the AMD EPYC host was tuned with); by the CPU's declared vendor (q41_decode)
@@ -178,10 +185,12 @@ class RowsGemm:
     and ``w`` [N, K] (or ``pack(w)``, much faster for 2+ rows) on the CPU, on ``threads``
     threads (default: torch's)."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path, isa: str = "avx2", q41: str = "convert"):
+    def __init__(self, lib: ctypes.CDLL, path: Path, isa: str = "avx2", q41: str = "convert",
+                 precision: str = "float32"):
         self.path, self.isa, self.q41 = path, isa, q41  # q41: its Q4_1 decoding (Q41_DECODES)
+        self.precision = precision  # PRECISIONS
         # the block records' layout it reads (blocks.pack_panels)
-        self.nibbles = {"avx512": "words", "amx": "amx"}.get(isa, "rows")
+        self.nibbles = "amx" if precision == "bfloat16" else {"avx512": "words", "amx": "amx"}.get(isa, "rows")
         gemm_args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fn, self._packed, self._pack = lib.rows_gemm, lib.rows_gemm_packed, lib.rows_gemm_pack
         self._fn.argtypes = self._packed.argtypes = gemm_args
@@ -204,13 +213,30 @@ class RowsGemm:
         self._layers.restype = None
 
     @classmethod
-    def build(cls, directory: Path, isa: str | None = None, q41: str | None = None) -> RowsGemm:
+    def build(cls, directory: Path, isa: str | None = None, q41: str | None = None,
+              precision: str = "float32") -> RowsGemm:
         """Compiled for ``isa`` (default: the best this CPU declares, ``isas()``; AVX-512 where the
         "amx" build cannot be built or the OS refuses the tiles) into ``directory``; ``q41``: the
-        AVX-512 build's Q4_1 decoding (``Q41_DECODES``; default ``q41_decode(isa)``)."""
+        AVX-512 build's Q4_1 decoding (``Q41_DECODES``; default ``q41_decode(isa)``);
+        ``precision`` (``PRECISIONS``): "bfloat16" is the AVX-512 build with rows_gemm_bf16.c's
+        Q4_1 products, where the CPU declares AVX-512 BF16."""
         why = why_unavailable()
         if why:
             raise KernelUnavailable(why)
+        if precision not in PRECISIONS:
+            raise ValueError(f"rows_gemm: precision {precision!r} is not one of {list(PRECISIONS)}")
+        if precision == "bfloat16":
+            if isa not in (None, "avx512") or "avx512" not in isas():
+                raise KernelUnavailable(f"bfloat16 products need the AVX-512 build; the CPU offers "
+                                        f"{torch.backends.cpu.get_cpu_capability()}" + (f", asked for {isa}" if isa else ""))
+            if not set(BF16_FLAGS) <= set((cpuinfo("flags") or "").split()):
+                raise KernelUnavailable("bfloat16 products need a CPU declaring AVX-512 BF16 (avx512_bf16)")
+            q41 = q41 or "convert"
+            if q41 != "convert":
+                raise ValueError("rows_gemm: the bfloat16 build has one Q4_1 decoding (convert)")
+            flags = FLAGS + ISA_FLAGS["avx512"] + PRECISIONS[precision]
+            path = build_library(directory, "rows_gemm-avx512-bf16", SOURCES, flags)
+            return cls(ctypes.CDLL(str(path)), path, "avx512", q41, precision)
         if isa is None and isas()[0] == "amx":  # AMX's tiles where the OS and the compiler allow them
             try:
                 return cls.build(directory, "amx", q41)
@@ -366,12 +392,11 @@ class RowsGemm:
         return y.view(*x.shape[:-1], n)
 
 
-_built: RowsGemm | None = None  # the kernel, built or loaded once per process
+_built: dict[str, RowsGemm] = {}  # the kernel of each precision, built or loaded once per process
 
 
-def rows_gemm(directory: Path) -> RowsGemm:
-    """The kernel built (or loaded) in ``directory``, once per process."""
-    global _built
-    if _built is None:
-        _built = RowsGemm.build(directory)
-    return _built
+def rows_gemm(directory: Path, precision: str = "float32") -> RowsGemm:
+    """The kernel of ``precision`` built (or loaded) in ``directory``, once per process."""
+    if precision not in _built:
+        _built[precision] = RowsGemm.build(directory, precision=precision)
+    return _built[precision]
