@@ -3,6 +3,7 @@ prompts, without HTTP, Ray or the replica's threads around it.
 
     python bench/closed_loop.py [--method suffix|hybrid|model] [--drafter DIR] [--rollouts DATA_DIR]
                                 [--concurrency 1,8] [--requests N] [--new-tokens 64] [--threads 2] [--reps 2]
+                                [--step-precision float32|bfloat16]
 
 Builds the engine as a replica builds it (``serving.assemble.build_parts`` and ``adapt``: the
 served drafter, its adaptive cap and its round profile, measured once per host and cached), then
@@ -54,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads, as serve.torch_threads")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16"],
+                    help="target.step_precision (bfloat16: the fast step's Q4_1 products on bfloat16 inputs)")
     args = ap.parse_args()
     if args.method != "suffix" and not args.drafter:
         ap.error(f"--method {args.method} needs --drafter (a checkpoint directory)")
@@ -105,7 +108,7 @@ def main() -> None:
     args = parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     counts = {c: args.requests or max(16, 4 * c) for c in levels}
-    target = TargetConfig(name_or_path="embedded")
+    target = TargetConfig(name_or_path="embedded", step_precision=args.step_precision)
     path = resolve_target_path(target)
     sc = ServeConfig(max_ongoing_requests=max(levels), torch_threads=args.threads, drafter=args.method,
                      suffix_rollouts=str(Path(args.rollouts).resolve()) if args.rollouts != "none" else "none")

@@ -11,10 +11,12 @@ Same prompts, same run, same threads (``data.torch_threads``), greedy unless con
   last layer, encoded to storage);
 - ``data_stage[fast]``: the same on the fast target step (``target.step``; a continuous batch of
   ``data.batch_size`` rows over a static KV slab, hidden states captured in the same passes);
+- ``data_stage[fast bf16]`` (``--bf16``): the fast step with ``target.step_precision: bfloat16``
+  (its Q4_1 products on bfloat16 inputs; CPUs with AVX-512 BF16);
 - ``--ray``: also the whole shards path under Ray Data (actor start-up, writes, manifest).
 
 Prints tokens/s (generated tokens) of each, their ratio to hf_generate, the time spent capturing
-hidden states, and how many records the two data paths agree on token for token. Nothing is
+hidden states, and how many records each fast path agrees on with the hf one, token for token. Nothing is
 asserted about time.
 """
 
@@ -59,17 +61,22 @@ def hf_generate(roller: Roller, prompts, batch_size: int, max_new: int, temperat
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ray", action="store_true", help="also time the shards path under Ray Data")
+    ap.add_argument("--bf16", action="store_true", help="also the fast step with target.step_precision: bfloat16")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_cli(overrides)
     info = describe_target(cfg)
     prompts, _ = collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)
     meta = record_meta(cfg, info)
-    rollers = {"data_stage[hf]": Roller(dataclasses.replace(info.target_cfg, step="hf"), cfg.data, meta)}
+    hf_cfg = dataclasses.replace(info.target_cfg, step="hf", step_precision="float32")
+    rollers = {"data_stage[hf]": Roller(hf_cfg, cfg.data, meta)}
     fast = Roller(info.target_cfg, cfg.data, meta)
     if fast.decoder is not None:
         rollers["data_stage[fast]"] = fast
     else:
         print(f"data_stage[fast]: not run ({fast.why_not_fast})")
+    if args.bf16:
+        rollers["data_stage[fast bf16]"] = Roller(dataclasses.replace(info.target_cfg, step_precision="bfloat16"),
+                                                  cfg.data, meta)
     plain = rollers["data_stage[hf]"]
     warm = prompts[:min(2, len(prompts))]
     for roller in rollers.values():  # warm up every path
@@ -94,10 +101,11 @@ def main(argv: list[str]) -> None:
         print(f"{name:17s}: {tokens:6d} tokens in {took:7.2f} s = {tokens / took:8.1f} tok/s "
               f"({tokens / took / hf_tps:.2f}x hf_generate; generate {roller.seconds['generate']:.2f} s, "
               f"capture {roller.seconds['capture']:.2f} s)")
-    if len(outputs) == 2:
-        a, b = outputs.values()
-        same = sum(x.input_ids.tolist() == y.input_ids.tolist() for x, y in zip(a, b))
-        print(f"same tokens, fast vs hf path: {same} of {len(a)} records")
+    reference = outputs["data_stage[hf]"]
+    for name, records in outputs.items():
+        if name != "data_stage[hf]":
+            same = sum(x.input_ids.tolist() == y.input_ids.tolist() for x, y in zip(records, reference))
+            print(f"same tokens, {name} vs data_stage[hf]: {same} of {len(records)} records")
     if args.ray:
         from components.cluster import init_ray
         from components.data.build import build_shards

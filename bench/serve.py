@@ -4,7 +4,7 @@ concurrency levels over HTTP on loopback, speculation on and off in one run.
     python bench/serve.py --drafter DIR [--method auto|suffix|hybrid] [--target embedded|DIR] [--concurrency 1,8,32]
                           [--requests N] [--new-tokens 64] [--threads 1] [--prefill-threads 0] [--no-adaptive]
                           [--loop-stages S] [--rollouts DATA_DIR]
-                          [--target-step auto|fast|hf] [--stream-interval-ms MS]
+                          [--target-step auto|fast|hf] [--step-precision float32|bfloat16] [--stream-interval-ms MS]
     python bench/serve.py --url http://127.0.0.1:8000 --model NAME [--tokenizer DIR]   # any OpenAI server
 
 Without ``--url`` it starts Ray and the specline app (``pipelines.serve.start_app``) with the
@@ -81,6 +81,8 @@ def parse_args() -> argparse.Namespace:
                     help="serve.prefill_threads: the fast step's threads in prompt passes (0: --threads)")
     ap.add_argument("--target-step", default="auto", choices=["auto", "fast", "hf"],
                     help="target.step of the replica (auto/fast: its linears through the kernel)")
+    ap.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16"],
+                    help="target.step_precision of the replica (bfloat16: the fast step's Q4_1 products on bfloat16 inputs)")
     ap.add_argument("--stream-interval-ms", type=float, default=None,
                     help="serve.stream_interval_ms: at most one chunk per interval per stream (0: every round; "
                          "default: the config's)")
@@ -279,7 +281,7 @@ def start_server(args: argparse.Namespace, top: int) -> str:
     from components.target.hf import resolve_target_path
     from pipelines.serve import start_app
 
-    target = TargetConfig(name_or_path=args.target, step=args.target_step)
+    target = TargetConfig(name_or_path=args.target, step=args.target_step, step_precision=args.step_precision)
     path = resolve_target_path(target)
     sc = ServeConfig(port=args.port, model_name=args.model, max_ongoing_requests=top, max_queued_requests=2 * top,
                      adaptive=not args.no_adaptive, torch_threads=args.threads, cpus_per_replica=1.0,

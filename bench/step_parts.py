@@ -18,6 +18,7 @@ and for products the arithmetic (two FLOP a weight) at the kernel's vector FMA p
 ``--reps``, the parts interleaved so that load from other processes falls on all alike.
 
     python bench/step_parts.py [--threads 2 --context 256 --reps 41 --cache-dir DIR]
+                               [--step-precision float32|bfloat16]
 
 Prints a markdown table. Nothing is asserted; the numbers describe this machine.
 """
@@ -67,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--reps", type=int, default=41)
     p.add_argument("--cache-dir", default=str(Path("~/.cache/specline/targets").expanduser()))
+    p.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16"],
+                   help="target.step_precision (bfloat16: the Q4_1 products on bfloat16 inputs)")
     return p.parse_args(argv)
 
 
@@ -155,12 +158,13 @@ def table(parts: list[Part], bandwidth: float, fma_flops: float) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = TargetConfig(name_or_path=SMOLLM2_TARGET, dtype="float32", device="cpu", cache_dir=args.cache_dir,
-                       step="fast", static_len=max(2048, args.context + 1))
+                       step="fast", static_len=max(2048, args.context + 1), step_precision=args.step_precision)
     target = step_target(load_target(cfg), cfg)
     assert isinstance(target, StepTarget)
     parts, bandwidth = step_parts(target, args.context, args.reps, args.threads)
     fma = target.decoder.kernels.fma_rate(args.threads) * 1e9
-    print(f"SmolLM2-135M, fast step ({', '.join(target.weight_formats)} blocks, kernel {target.decoder.kernels.isa}), "
+    print(f"SmolLM2-135M, fast step ({', '.join(target.weight_formats)} blocks, kernel {target.decoder.kernels.isa}, "
+          f"{target.precision} products), "
           f"context {args.context}, {args.threads} thread(s), medians of {args.reps}; a sum over a tensor of the "
           f"weights' bytes: {bandwidth / 1e9:.1f} GB/s; vector FMAs {fma / 1e9:.0f} GFLOP/s\n")
     print("\n".join(table(parts, bandwidth, fma)))
