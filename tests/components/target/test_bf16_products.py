@@ -20,7 +20,7 @@ from components.engine import (
 from components.target.blocks import Blocks
 from components.target.fast import StepTarget, step_target, wanted_kernel
 from components.target.hf import TargetError
-from components.target.kernels import BF16_FLAGS, RowsGemm, cpuinfo, isas, why_unavailable
+from components.target.kernels import BF16_FLAGS, cpuinfo, isas, rows_gemm, why_unavailable
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
 from tests.components.target.test_blocks import stored_target  # noqa: F401 (a fixture)
 
@@ -38,8 +38,8 @@ def random_q41(n: int, k: int, gen: torch.Generator) -> Blocks:
 @needs_bf16
 def test_products_are_float32_arithmetic_on_inputs_rounded_to_bfloat16(tmp_path):
     gen = torch.Generator().manual_seed(0)
-    bf16 = RowsGemm.build(tmp_path, precision="bfloat16")
-    f32 = RowsGemm.build(tmp_path, "avx512")
+    bf16 = rows_gemm(tmp_path, "bfloat16")  # built once per process (the step below takes it too)
+    f32 = rows_gemm(tmp_path)
     assert bf16.precision == "bfloat16" and bf16.nibbles == "amx" and "bf16" in bf16.path.name
     blocks = random_q41(200, 96, gen)  # a partial last panel, three records
     w = blocks.dequantize()
