@@ -255,8 +255,9 @@ class StaticDecoder(nn.Module):
 
 @dataclass
 class _Layer:
-    """One decoder layer's weights as the step reads them (the products' weights as the decoder's
-    ``gemm`` prepared them)."""
+    """One decoder layer's weights as the step reads them: the products' weights as the decoder's
+    ``gemm`` prepared them, the norms' as copies (like the products', they live as long as this
+    record, wherever ``model.to`` moves the model's own, so the kernel keeps their addresses)."""
 
     norm1: Tensor
     qkv: Any  # [(hq + 2 h_kv) d, H]: q, k, v stacked (a copy)
@@ -272,9 +273,11 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous()
         gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
-        return cls(layer.input_layernorm.weight, prepare(qkv), prepare(attn.o_proj.weight.contiguous()),
-                   layer.post_attention_layernorm.weight, prepare(gate_up), prepare(mlp.down_proj.weight.contiguous()),
-                   attn.q_norm.weight if shape.qk_norm else None, attn.k_norm.weight if shape.qk_norm else None)
+        def own(t: Tensor) -> Tensor:
+            return t.detach().clone().contiguous()
+        return cls(own(layer.input_layernorm.weight), prepare(qkv), prepare(attn.o_proj.weight.contiguous()),
+                   own(layer.post_attention_layernorm.weight), prepare(gate_up), prepare(mlp.down_proj.weight.contiguous()),
+                   own(attn.q_norm.weight) if shape.qk_norm else None, own(attn.k_norm.weight) if shape.qk_norm else None)
 
 
 class StaticCache:

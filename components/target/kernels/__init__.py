@@ -152,6 +152,7 @@ def build_library(directory: Path, stem: str, sources: Sequence[Path], flags: Se
 
 PANEL = 16  # weight rows per packed panel (NR in rows_gemm.c)
 FORMATS = ("f32", "q4_1", "q8_0")  # a packed weight's format; its index is the code layer.c takes
+LAYER_ARGS = 10  # llama_layer's pointers per layer (``RowsGemm._pointers``), the slabs k, v last
 BLOCK_ROWS = 8  # AVX2: passes of up to this many rows read blocks, longer ones float32 panels (bench/target_step.py)
 
 
@@ -277,7 +278,8 @@ class RowsGemm:
             raise KernelUnavailable("RowsGemm.layer takes a contiguous slab and int64 seq/pos")
         if upto is not None and not (upto.dtype == torch.int64 and upto.is_contiguous() and upto.shape == pos.shape):
             raise KernelUnavailable("RowsGemm.layer takes upto as contiguous int64 [T], like pos")
-        pointers, formats = self._pointers(x.shape[0], weights, k, v)
+        pointers, formats = self._pointers(x.shape[0], weights)
+        pointers[-2:] = k.data_ptr(), v.data_ptr()
         self._layer(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads, shape.kv_heads,
                     shape.head_dim, weights.down.shape[1], shape.eps, *pointers, k.shape[2], cos.data_ptr(),
                     sin.data_ptr(), threads or torch.get_num_threads(), (ctypes.c_int32 * 4)(*formats),
@@ -291,22 +293,38 @@ class RowsGemm:
         each layer of ``taps`` (in that order), [T, len(taps), H]."""
         if not all(t.is_contiguous() for t in (*k, *v)) or not seq.dtype == pos.dtype == torch.int64:
             raise KernelUnavailable("RowsGemm.layers takes contiguous slabs and int64 seq/pos")
-        ptrs: list[int | None] = []
-        formats: list[int] = []
-        for w, kc, vc in zip(weights, k, v, strict=True):
-            pointers, fmt = self._pointers(x.shape[0], w, kc, vc)
-            ptrs += pointers
-            formats += fmt
-        tap_of = [-1] * len(weights)
-        for j, i in enumerate(taps):
-            tap_of[i] = j
+        if not len(weights) == len(k) == len(v):
+            raise ValueError(f"RowsGemm.layers: {len(weights)} layers, {len(k)} / {len(v)} slabs")
+        template, formats, tap_of = self._layers_args(x.shape[0], weights, tuple(taps))
+        ptrs = type(template).from_buffer_copy(template)  # this call's own: the slabs' addresses go in
+        ptrs[LAYER_ARGS - 2::LAYER_ARGS] = [t.data_ptr() for t in k]
+        ptrs[LAYER_ARGS - 1::LAYER_ARGS] = [t.data_ptr() for t in v]
         out = x.new_empty(x.shape[0], len(taps), shape.hidden)
         self._layers(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads, shape.kv_heads,
-                     shape.head_dim, weights[0].down.shape[1], shape.eps, len(weights),
-                     (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_int32 * len(formats))(*formats), k[0].shape[2],
-                     cos.data_ptr(), sin.data_ptr(), threads or torch.get_num_threads(), None,
-                     (ctypes.c_int64 * len(tap_of))(*tap_of), out.data_ptr(), len(taps))
+                     shape.head_dim, weights[0].down.shape[1], shape.eps, len(weights), ptrs, formats, k[0].shape[2],
+                     cos.data_ptr(), sin.data_ptr(), threads or torch.get_num_threads(), None, tap_of,
+                     out.data_ptr(), len(taps))
         return out
+
+    def _layers_args(self, rows: int, weights: Sequence[Any], taps: tuple[int, ...]) -> tuple[Any, Any, Any]:
+        """(``llama_layers``' pointers of every layer with the slabs' left empty, the products'
+        formats, each layer's place among ``taps`` or -1) for a pass of ``rows`` rows: fixed per
+        weights, pass length and taps, so built once and kept on the first layer's record."""
+        cache = weights[0].__dict__.setdefault("_layers_args", {})
+        key = (rows > BLOCK_ROWS, len(weights), taps)
+        if key not in cache:
+            ptrs: list[int | None] = []
+            formats: list[int] = []
+            for w in weights:
+                pointers, fmt = self._pointers(rows, w)
+                ptrs += pointers
+                formats += fmt
+            tap_of = [-1] * len(weights)
+            for j, i in enumerate(taps):
+                tap_of[i] = j
+            cache[key] = ((ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_int32 * len(formats))(*formats),
+                          (ctypes.c_int64 * len(tap_of))(*tap_of))
+        return cache[key]
 
     def bound_product(self, x: Tensor, w: PackedWeight, y: Tensor, threads: int | None = None) -> Callable[[], None]:
         """``y = x @ w.T`` (x [M, K], y [M, N], contiguous float32) as a call with its arguments
@@ -320,22 +338,22 @@ class RowsGemm:
         args = (x.data_ptr(), w.panels.data_ptr(), y.data_ptr(), x.shape[0], k, n, threads or torch.get_num_threads())
         return lambda: fn(*args)
 
-    def _pointers(self, rows: int, w: Any, k: Tensor, v: Tensor) -> tuple[list[int | None], tuple[int, ...]]:
-        """(llama_layer's pointers of one layer: norm1, qkv, q_norm, k_norm, o, norm2, gate|up,
-        down, k, v; its products' formats) for a pass of ``rows`` rows. The products' panels are
-        fixed per weights and pass length (up to BLOCK_ROWS rows, or more) and kept on ``w``; the
-        norms are the model's own parameters, whose storage may change (``model.to``): read each
-        call."""
+    def _pointers(self, rows: int, w: Any) -> tuple[list[int | None], tuple[int, ...]]:
+        """(llama_layer's LAYER_ARGS pointers of one layer: norm1, qkv, q_norm, k_norm, o, norm2,
+        gate|up, down, then k, v left None for the caller; its products' formats) for a pass of
+        ``rows`` rows. Every weight is fixed per layer record and pass length (up to BLOCK_ROWS
+        rows, or more): the products' packed copies and the norms' copies (``step._Layer``) live
+        as long as ``w``, so their addresses are read once and kept on it."""
         cache = w.__dict__.setdefault("_kernel_args", {})
         fixed = cache.get(rows > BLOCK_ROWS)
         if fixed is None:
-            fixed = cache[rows > BLOCK_ROWS] = self._products(rows, w)
-        (qkv, o, gate_up, down), formats = fixed
+            (qkv, o, gate_up, down), formats = self._products(rows, w)
 
-        def ptr(t: Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-        return [ptr(w.norm1), qkv, ptr(w.q_norm), ptr(w.k_norm), o, ptr(w.norm2), gate_up, down, k.data_ptr(),
-                v.data_ptr()], formats
+            def ptr(t: Tensor | None) -> int | None:
+                return None if t is None else t.data_ptr()
+            fixed = cache[rows > BLOCK_ROWS] = ((ptr(w.norm1), qkv, ptr(w.q_norm), ptr(w.k_norm), o, ptr(w.norm2),
+                                                 gate_up, down, None, None), formats)
+        return list(fixed[0]), fixed[1]
 
     @staticmethod
     def _products(rows: int, w: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
