@@ -246,6 +246,11 @@ def wanted_kernel(target: Target, cfg: TargetConfig) -> tuple[RowsGemm | None, s
             raise TargetError(f"target.step_precision: {cfg.step_precision} runs in the fast step, which does not "
                               f"run here ({why}); set target.step_precision: float32")
         return None, why
+    if cfg.step_precision != "float32" and (cfg.step_weights == "float32" or target.block_source is None):
+        none = "target.step_weights: float32" if cfg.step_weights == "float32" else \
+            f"{target.name_or_path} stores its weights unquantized"
+        raise TargetError(f"target.step_precision: {cfg.step_precision} acts on the checkpoint's Q4_1 blocks, and this "
+                          f"step reads none ({none}); set target.step_precision: float32")
     try:
         return rows_gemm(Path(cfg.cache_dir) / "kernels", cfg.step_precision), ""
     except KernelUnavailable as err:

@@ -85,11 +85,14 @@ def test_a_bfloat16_step_is_lossless_against_its_own_plain_decoding(tiny_target_
         fast.forward(ids[:, :4], attention_mask=torch.ones(1, 4, dtype=torch.long))
 
 
-def test_step_precision_setting(tiny_target_cfg, tiny_target):
+def test_step_precision_setting(tiny_target_cfg, tiny_target, stored_target):  # noqa: F811
     with pytest.raises(TargetError, match="target.step_precision: 'float16' is not one of"):
         wanted_kernel(tiny_target, dataclasses.replace(tiny_target_cfg, step_precision="float16"))
     with pytest.raises(TargetError, match="bfloat16 runs in the fast step, which does not run here"):
         wanted_kernel(tiny_target, dataclasses.replace(tiny_target_cfg, step="hf", step_precision="bfloat16"))
+    if why_unavailable() is None:  # a step without Q4_1 blocks would ignore it: said, not ignored
+        with pytest.raises(TargetError, match="acts on the checkpoint's Q4_1 blocks, and this step reads none"):
+            wanted_kernel(tiny_target, dataclasses.replace(tiny_target_cfg, step="fast", step_precision="bfloat16"))
     if not DECLARED and why_unavailable() is None:  # asked for where the CPU cannot: one line, no fallback
         with pytest.raises(TargetError, match="target.step_precision: bfloat16, but"):
-            wanted_kernel(tiny_target, dataclasses.replace(tiny_target_cfg, step="fast", step_precision="bfloat16"))
+            wanted_kernel(stored_target, dataclasses.replace(tiny_target_cfg, step="fast", step_precision="bfloat16"))
