@@ -376,11 +376,15 @@ def _check_suffix(ev: EvalConfig) -> None:
         raise ConfigError("eval." + "; eval.".join(problems))
 
 
-def exact_methods(ev: EvalConfig, methods: list[str]) -> set[str]:
+def exact_methods(ev: EvalConfig, methods: list[str], precision: str = "float32") -> set[str]:
     """Methods whose output must equal target_only's token for token under these settings:
-    ours under greedy decoding or Gumbel coupling (output = f(target, seed)); the peers only greedy."""
+    ours under greedy decoding or Gumbel coupling (output = f(target, seed)); the peers only greedy,
+    and only where our target's step computes in float32 (``precision``: ``target.step_precision``;
+    the peers run the model in their own arithmetic, so against a bfloat16 step they differ by
+    design, not by a fault: ``runner.check_lossless`` counts those prompts instead)."""
     ours = ev.temperature == 0 or ev.rule in rules_where(coupled=True)
-    return {m for m in methods if (ours if METHODS[m].peer == "ours" else ev.temperature == 0)}
+    peers = ev.temperature == 0 and precision == "float32"
+    return {m for m in methods if (ours if METHODS[m].peer == "ours" else peers)}
 
 
 def build_methods(ctx: EvalContext, methods: list[str]) -> dict[str, MethodFn]:

@@ -48,7 +48,7 @@ def _lossless(s: MethodSummary, reference: str) -> str:
     if s.method == reference:
         return "reference"
     if s.lossless is None:
-        return "not checked"
+        return s.extra.get("lossless", "not checked")
     if s.lossless:
         return "yes"
     ties = sum(bool(m.near_tie) for m in s.mismatches)

@@ -87,3 +87,17 @@ def test_plots_have_a_panel_and_a_bar_group_per_set(tmp_path):
     report = _report(mismatch_on=CHAT[0])
     assert rep.plot_speedups(report, tmp_path / "s.png").stat().st_size > 0
     assert rep.plot_acceptance(report, tmp_path / "a.png", [0.5, 0.2]).stat().st_size > 0
+
+
+def test_peers_beside_a_step_that_is_not_float32_are_counted_not_called_lossy():
+    """Against a bfloat16 step the peers (transformers', vLLM's: float32) differ by design: they are
+    not held to the reference, and their row says how many prompts differ."""
+    from components.evaluation.methods import exact_methods
+
+    ev, names = EvalConfig(temperature=0.0), ["target_only", "suffix", "hf_generate"]
+    assert exact_methods(ev, names) == {"target_only", "suffix", "hf_generate"}
+    assert exact_methods(ev, names, "bfloat16") == {"target_only", "suffix"}
+    report = _report()
+    summary = report.summaries["drafter"]
+    summary.lossless, summary.extra["lossless"] = None, "not checked: bfloat16 target; 2 of 3 prompts differ"
+    assert rep._lossless(summary, "target_only") == "not checked: bfloat16 target; 2 of 3 prompts differ"
