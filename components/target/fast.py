@@ -100,6 +100,7 @@ class StepTarget(Target):
         self.block_source = target.block_source
         self.decoder = StaticDecoder(target.model, self.check_layer_ids(taps), capacity, gemm, kernels)
         self.taps = self.decoder.taps
+        self._picks: dict[tuple[int, ...], list[int]] = {}  # layer ids asked for -> their places among taps
         self.capacity = capacity
         packed = getattr(gemm, "packed", {})
         self.weight_formats = tuple(sorted(f for f in packed if f != "f32")) or ("f32",)
@@ -151,8 +152,13 @@ class StepTarget(Target):
         return TargetOutput(logits, self._pick(taps, layer_ids), last, SlotCache(pool, [row], [count]))
 
     def _pick(self, taps: Tensor, layer_ids: Sequence[int]) -> Tensor | None:  # [..., n, H] -> [..., len(ids), H]
-        pick = [self.taps.index(i) for i in self.check_layer_ids(layer_ids)]
-        return taps[..., pick, :] if pick else None
+        key = tuple(layer_ids)
+        pick = self._picks.get(key)
+        if pick is None:  # checked and looked up once per set of ids
+            pick = self._picks[key] = [self.taps.index(i) for i in self.check_layer_ids(layer_ids)]
+        if not pick:
+            return None
+        return taps if pick == list(range(taps.shape[-2])) else taps[..., pick, :]
 
     def _forward_slots(self, input_ids: Tensor, cache: SlotCache, layer_ids: Sequence[int]) -> TargetOutput:
         """ids [B, W]: row b's new tokens at slots lengths[b].. of slab row rows[b] → logits
@@ -162,13 +168,16 @@ class StepTarget(Target):
         if cache.length + w > cache.pool.slots:
             raise TargetError(f"target.static_len: a sequence of {cache.length + w} tokens is past the fast step's "
                               f"{cache.pool.slots} cache slots; raise target.static_len (or set target.step: hf)")
-        counts = torch.tensor(cache.new_tokens if cache.new_tokens is not None else [w] * b, dtype=torch.long)  # [B]
-        real = torch.arange(w)[None, :] < counts[:, None]  # [B, W]: a row's real tokens, then padding
-        seq = torch.tensor(cache.rows, dtype=torch.long).repeat_interleave(counts)  # [N]
-        pos = (torch.tensor(cache.lengths, dtype=torch.long)[:, None] + torch.arange(w)[None, :])[real]  # [N]
-        logits, taps, last = self.decoder.forward_rows(input_ids[real], seq, pos, cache.pool.k, cache.pool.v)
+        counts = cache.new_tokens if cache.new_tokens is not None else [w] * b  # [B] a row's real tokens, then padding
+        # the rows' slab rows and slots as lists first: a few torch ops here cost more than the lists
+        seq = torch.tensor([r for r, c in zip(cache.rows, counts) for _ in range(c)], dtype=torch.long)  # [N]
+        pos = torch.tensor([n + j for n, c in zip(cache.lengths, counts) for j in range(c)], dtype=torch.long)  # [N]
+        padded = sum(counts) < b * w
+        real = torch.tensor([[j < c for j in range(w)] for c in counts]) if padded else None  # [B, W]
+        ids = input_ids[real] if real is not None else input_ids.reshape(-1)
+        logits, taps, last = self.decoder.forward_rows(ids, seq, pos, cache.pool.k, cache.pool.v)
         picked = self._pick(taps, layer_ids)  # [N, n, H] or None
-        if int(counts.sum()) == b * w:  # no padding
+        if real is None:
             return TargetOutput(logits.view(b, w, -1), picked.view(b, w, *picked.shape[1:]) if picked is not None
                                 else None, last.view(b, w, -1), cache)
         return TargetOutput(_spread(logits, real), _spread(picked, real) if picked is not None else None,

@@ -203,6 +203,8 @@ class StaticDecoder(nn.Module):
         [T, n, H], last [T, H]. All layers in one kernel call where ``kernels`` is set (float32),
         else torch ops with a per-row attention loop (a reference, slow)."""
         s, t = self.shape, ids.shape[0]
+        if not seq.shape == pos.shape == (t,):  # the kernel reads T of each: a shorter one would be read past
+            raise ValueError(f"forward_rows: {t} tokens, seq {tuple(seq.shape)}, pos {tuple(pos.shape)}")
         x = self.embed(ids).contiguous()  # [T, H], changed in place layer by layer
         if self.kernels is not None and x.dtype == torch.float32:  # every layer in one kernel call
             stacked = self.kernels.layers(x, seq, pos, s, self.layers, k, v, self.cos, self.sin, threads, self.taps)
