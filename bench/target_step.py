@@ -38,7 +38,7 @@ from components.config import SMOLLM2_TARGET, TargetConfig
 from components.engine.core import crop_cache
 from components.target import load_target
 from components.target.fast import StepTarget, kernel_gemm, step_target
-from components.target.kernels import BF16_FLAGS, Q41_DECODES, RowsGemm, cpuinfo, isas, q41_decode
+from components.target.kernels import Q41_DECODES, RowsGemm, isas, precisions, q41_decode
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,7 +128,7 @@ def _steps(hf: Any, cfg: TargetConfig) -> tuple[dict[str, StepTarget], RowsGemm,
     variants = [(isa, isa, q41_decode(isa), "float32") for isa in isas() if isa != best.isa]  # each its own decoding
     if best.isa == "avx512":
         variants = [(f"{best.isa} {q41}", best.isa, q41, "float32") for q41 in Q41_DECODES if q41 != best.q41] + variants
-    if "avx512" in isas() and set(BF16_FLAGS) <= set((cpuinfo("flags") or "").split()):
+    if "bfloat16" in precisions():
         variants.append(("avx512 bf16", "avx512", None, "bfloat16"))
     for label, isa, q41, precision in variants:
         kernel = RowsGemm.build(Path(cfg.cache_dir) / "kernels", isa, q41, precision)

@@ -93,6 +93,13 @@ def isas() -> tuple[str, ...]:
     return found
 
 
+def precisions() -> tuple[str, ...]:
+    """The precisions the kernel can be built for on this CPU (``PRECISIONS``), as declared:
+    float32 everywhere; bfloat16 where the CPU offers the AVX-512 build and declares AVX-512 BF16."""
+    bf16 = "avx512" in isas() and set(BF16_FLAGS) <= set((cpuinfo("flags") or "").split())
+    return ("float32", "bfloat16") if bf16 else ("float32",)
+
+
 def cpuinfo(field: str) -> str | None:
     """What the CPU declares under ``field`` in Linux's ``/proc/cpuinfo`` (its first processor:
     ``vendor_id`` GenuineIntel / AuthenticAMD, ``model name``), or None where it declares none."""
@@ -227,11 +234,10 @@ class RowsGemm:
         if precision not in PRECISIONS:
             raise ValueError(f"rows_gemm: precision {precision!r} is not one of {list(PRECISIONS)}")
         if precision == "bfloat16":
-            if isa not in (None, "avx512") or "avx512" not in isas():
-                raise KernelUnavailable(f"bfloat16 products need the AVX-512 build; the CPU offers "
-                                        f"{torch.backends.cpu.get_cpu_capability()}" + (f", asked for {isa}" if isa else ""))
-            if not set(BF16_FLAGS) <= set((cpuinfo("flags") or "").split()):
-                raise KernelUnavailable("bfloat16 products need a CPU declaring AVX-512 BF16 (avx512_bf16)")
+            if isa not in (None, "avx512") or precision not in precisions():
+                raise KernelUnavailable(f"bfloat16 products need the AVX-512 build on a CPU declaring AVX-512 BF16 "
+                                        f"(avx512_bf16); the CPU offers {torch.backends.cpu.get_cpu_capability()}"
+                                        + (f", asked for {isa}" if isa else ""))
             q41 = q41 or "convert"
             if q41 != "convert":
                 raise ValueError("rows_gemm: the bfloat16 build has one Q4_1 decoding (convert)")
@@ -278,12 +284,11 @@ class RowsGemm:
             raise KernelUnavailable("RowsGemm.layer takes a contiguous slab and int64 seq/pos")
         if upto is not None and not (upto.dtype == torch.int64 and upto.is_contiguous() and upto.shape == pos.shape):
             raise KernelUnavailable("RowsGemm.layer takes upto as contiguous int64 [T], like pos")
-        pointers, formats = self._pointers(x.shape[0], weights)
-        pointers[-2:] = k.data_ptr(), v.data_ptr()
+        template, formats, _ = self._layers_args(x.shape[0], [weights], ())
+        pointers = [*template[:LAYER_ARGS - 2], k.data_ptr(), v.data_ptr()]
         self._layer(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads, shape.kv_heads,
                     shape.head_dim, weights.down.shape[1], shape.eps, *pointers, k.shape[2], cos.data_ptr(),
-                    sin.data_ptr(), threads or torch.get_num_threads(), (ctypes.c_int32 * 4)(*formats),
-                    None if upto is None else upto.data_ptr())
+                    sin.data_ptr(), threads or torch.get_num_threads(), formats, None if upto is None else upto.data_ptr())
 
     def layers(self, x: Tensor, seq: Tensor, pos: Tensor, shape: Any, weights: Sequence[Any], k: Sequence[Tensor],
                v: Sequence[Tensor], cos: Tensor, sin: Tensor, threads: int | None = None,
@@ -309,7 +314,8 @@ class RowsGemm:
     def _layers_args(self, rows: int, weights: Sequence[Any], taps: tuple[int, ...]) -> tuple[Any, Any, Any]:
         """(``llama_layers``' pointers of every layer with the slabs' left empty, the products'
         formats, each layer's place among ``taps`` or -1) for a pass of ``rows`` rows: fixed per
-        weights, pass length and taps, so built once and kept on the first layer's record."""
+        weights, pass length and taps, so built once and kept on the first layer's record (the
+        products' packed copies and the norms' copies, ``step._Layer``, live as long as it)."""
         cache = weights[0].__dict__.setdefault("_layers_args", {})
         key = (rows > BLOCK_ROWS, len(weights), taps)
         if key not in cache:
@@ -341,19 +347,12 @@ class RowsGemm:
     def _pointers(self, rows: int, w: Any) -> tuple[list[int | None], tuple[int, ...]]:
         """(llama_layer's LAYER_ARGS pointers of one layer: norm1, qkv, q_norm, k_norm, o, norm2,
         gate|up, down, then k, v left None for the caller; its products' formats) for a pass of
-        ``rows`` rows. Every weight is fixed per layer record and pass length (up to BLOCK_ROWS
-        rows, or more): the products' packed copies and the norms' copies (``step._Layer``) live
-        as long as ``w``, so their addresses are read once and kept on it."""
-        cache = w.__dict__.setdefault("_kernel_args", {})
-        fixed = cache.get(rows > BLOCK_ROWS)
-        if fixed is None:
-            (qkv, o, gate_up, down), formats = self._products(rows, w)
+        ``rows`` rows (up to BLOCK_ROWS rows, or more)."""
+        (qkv, o, gate_up, down), formats = self._products(rows, w)
 
-            def ptr(t: Tensor | None) -> int | None:
-                return None if t is None else t.data_ptr()
-            fixed = cache[rows > BLOCK_ROWS] = ((ptr(w.norm1), qkv, ptr(w.q_norm), ptr(w.k_norm), o, ptr(w.norm2),
-                                                 gate_up, down, None, None), formats)
-        return list(fixed[0]), fixed[1]
+        def ptr(t: Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+        return [ptr(w.norm1), qkv, ptr(w.q_norm), ptr(w.k_norm), o, ptr(w.norm2), gate_up, down, None, None], formats
 
     @staticmethod
     def _products(rows: int, w: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

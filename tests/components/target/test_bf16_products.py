@@ -20,11 +20,11 @@ from components.engine import (
 from components.target.blocks import Blocks
 from components.target.fast import StepTarget, step_target, wanted_kernel
 from components.target.hf import TargetError
-from components.target.kernels import BF16_FLAGS, cpuinfo, isas, rows_gemm, why_unavailable
+from components.target.kernels import precisions, rows_gemm, why_unavailable
 from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
 from tests.components.target.test_blocks import stored_target  # noqa: F401 (a fixture)
 
-DECLARED = why_unavailable() is None and "avx512" in isas() and set(BF16_FLAGS) <= set((cpuinfo("flags") or "").split())
+DECLARED = why_unavailable() is None and "bfloat16" in precisions()
 needs_bf16 = pytest.mark.skipif(not DECLARED, reason="the CPU does not declare AVX-512 BF16")
 
 
