@@ -205,10 +205,15 @@ class StaticDecoder(nn.Module):
         s, t = self.shape, ids.shape[0]
         if not seq.shape == pos.shape == (t,):  # the kernel reads T of each: a shorter one would be read past
             raise ValueError(f"forward_rows: {t} tokens, seq {tuple(seq.shape)}, pos {tuple(pos.shape)}")
+        table = self.embed.weight
+        if self.kernels is not None and table.dtype == torch.float32:  # every layer in one kernel call
+            # the embedding and the final norm inside it too: no torch op between two kernel calls
+            x = table.new_empty(t, s.hidden)  # [T, H]: the embeddings, then changed in place layer by layer
+            normed = table.new_empty(1 if last_only else t, s.hidden)  # [R, H]
+            stacked = self.kernels.layers(x, seq, pos, s, self.layers, k, v, self.cos, self.sin, threads, self.taps,
+                                          ids=ids.contiguous(), table=table, norm=self.final_norm, normed=normed)
+            return self._head_rows(normed), stacked, x
         x = self.embed(ids).contiguous()  # [T, H], changed in place layer by layer
-        if self.kernels is not None and x.dtype == torch.float32:  # every layer in one kernel call
-            stacked = self.kernels.layers(x, seq, pos, s, self.layers, k, v, self.cos, self.sin, threads, self.taps)
-            return self._head_rows(self._norm(x[-1:] if last_only else x, self.final_norm)), stacked, x
         taps: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = self._layer_rows(x, seq, pos, layer, k[i], v[i])

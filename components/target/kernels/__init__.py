@@ -217,8 +217,9 @@ class RowsGemm:
         self._layers = lib.llama_layers
         self._layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
                                  + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-                                 + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64])
-        self._layers.restype = None
+                                 + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+                                 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64])
+        self._layers.restype = ctypes.c_int64
 
     @classmethod
     def build(cls, directory: Path, isa: str | None = None, q41: str | None = None,
@@ -292,23 +293,42 @@ class RowsGemm:
 
     def layers(self, x: Tensor, seq: Tensor, pos: Tensor, shape: Any, weights: Sequence[Any], k: Sequence[Tensor],
                v: Sequence[Tensor], cos: Tensor, sin: Tensor, threads: int | None = None,
-               taps: Sequence[int] = ()) -> Tensor:
+               taps: Sequence[int] = (), ids: Tensor | None = None, table: Tensor | None = None,
+               norm: Tensor | None = None, normed: Tensor | None = None) -> Tensor:
         """``layer`` for every layer of ``weights`` in turn (layer i on the slab k[i]/v[i]), in one
         call: the same bits as one ``layer`` call each, without a Python call per layer. → x after
-        each layer of ``taps`` (in that order), [T, len(taps), H]."""
-        if not all(t.is_contiguous() for t in (*k, *v)) or not seq.dtype == pos.dtype == torch.int64:
+        each layer of ``taps`` (in that order), [T, len(taps), H]. ``table`` [V, H] (the
+        embeddings) with ``ids`` [T] int64: x's rows are first set to table[ids] (x's contents
+        are not read); ``norm`` [H] with ``normed`` [R, H]: the last R rows of x after the last
+        layer, RMS-normalised into ``normed``. Both in the same call (``llama_layers``)."""
+        t = x.shape[0]
+        if not all(s.is_contiguous() for s in (*k, *v)) or not seq.dtype == pos.dtype == torch.int64:
             raise KernelUnavailable("RowsGemm.layers takes contiguous slabs and int64 seq/pos")
         if not len(weights) == len(k) == len(v):
             raise ValueError(f"RowsGemm.layers: {len(weights)} layers, {len(k)} / {len(v)} slabs")
-        template, formats, tap_of = self._layers_args(x.shape[0], weights, tuple(taps))
+        if table is not None and not (ids is not None and ids.dtype == torch.int64 and ids.is_contiguous()
+                                      and ids.shape == (t,) and table.dtype == torch.float32
+                                      and table.is_contiguous() and table.shape[1:] == (shape.hidden,)):
+            raise ValueError("RowsGemm.layers: table [V, H] float32 and ids [T] int64, both contiguous")
+        if norm is not None and not (normed is not None and normed.is_contiguous() and norm.is_contiguous()
+                                     and normed.dtype == norm.dtype == torch.float32 and normed.shape[0] <= t
+                                     and normed.shape[1:] == norm.shape == (shape.hidden,)):
+            raise ValueError("RowsGemm.layers: norm [H] and normed [R ≤ T, H], float32 and contiguous")
+        template, formats, tap_of = self._layers_args(t, weights, tuple(taps))
         ptrs = type(template).from_buffer_copy(template)  # this call's own: the slabs' addresses go in
-        ptrs[LAYER_ARGS - 2::LAYER_ARGS] = [t.data_ptr() for t in k]
-        ptrs[LAYER_ARGS - 1::LAYER_ARGS] = [t.data_ptr() for t in v]
-        out = x.new_empty(x.shape[0], len(taps), shape.hidden)
-        self._layers(x.data_ptr(), x.shape[0], seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads, shape.kv_heads,
-                     shape.head_dim, weights[0].down.shape[1], shape.eps, len(weights), ptrs, formats, k[0].shape[2],
-                     cos.data_ptr(), sin.data_ptr(), threads or torch.get_num_threads(), None, tap_of,
-                     out.data_ptr(), len(taps))
+        ptrs[LAYER_ARGS - 2::LAYER_ARGS] = [s.data_ptr() for s in k]
+        ptrs[LAYER_ARGS - 1::LAYER_ARGS] = [s.data_ptr() for s in v]
+        out = x.new_empty(t, len(taps), shape.hidden)
+        bad = self._layers(x.data_ptr(), t, seq.data_ptr(), pos.data_ptr(), shape.hidden, shape.heads,
+                           shape.kv_heads, shape.head_dim, weights[0].down.shape[1], shape.eps, len(weights), ptrs,
+                           formats, k[0].shape[2], cos.data_ptr(), sin.data_ptr(), threads or torch.get_num_threads(),
+                           None, tap_of, out.data_ptr(), len(taps),
+                           None if table is None else ids.data_ptr(), None if table is None else table.data_ptr(),
+                           0 if table is None else table.shape[0], None if norm is None else norm.data_ptr(),
+                           None if norm is None else normed.data_ptr(), 0 if norm is None else normed.shape[0])
+        if bad >= 0:
+            raise IndexError(f"RowsGemm.layers: token id {int(ids[bad])} (row {bad}) is outside the "
+                             f"embedding table's {table.shape[0]} rows")
         return out
 
     def _layers_args(self, rows: int, weights: Sequence[Any], taps: tuple[int, ...]) -> tuple[Any, Any, Any]:

@@ -343,11 +343,23 @@ void llama_layer(float *x, int64_t T, const int64_t *seq, const int64_t *pos, in
  * ptrs[10 i ..]: norm1, wqkv, q_norm, k_norm, wo, norm2, wgu, wdown, kc, vc; its formats at
  * formats[4 i ..]. After layer i, where tap_of[i] >= 0, x is copied into taps [T, n_taps, H] at
  * tap tap_of[i]. The same arithmetic as L calls of llama_layer (the same bits); what it saves is
- * the caller's per-call overhead (a decode step is 30 calls on SmolLM2). */
-void llama_layers(float *x, int64_t T, const int64_t *seq, const int64_t *pos, int64_t H, int64_t hq, int64_t hkv,
+ * the caller's per-call overhead (a decode step is 30 calls on SmolLM2).
+ * Where `table` is given, x's rows are first set to the embedding rows table[ids[t]] ([vocab, H]);
+ * an id outside 0..vocab-1 stops the call before any work and its row t is returned (else -1).
+ * Where `final_norm` is given, the last R rows of x after the last layer are RMS-normalised into
+ * `normed` [R, H] (the rows the head reads). Each would otherwise be a torch op of its own between
+ * two kernel calls, and right after a pass has streamed every weight through the caches a torch
+ * op's first call costs tens of microseconds more than its arithmetic (docs/results.md). */
+int64_t llama_layers(float *x, int64_t T, const int64_t *seq, const int64_t *pos, int64_t H, int64_t hq, int64_t hkv,
                   int64_t d, int64_t inter, float eps, int64_t L, void *const *ptrs, const int32_t *formats,
                   int64_t S, const float *cos, const float *sin, int threads, const int64_t *upto,
-                  const int64_t *tap_of, float *taps, int64_t n_taps) {
+                  const int64_t *tap_of, float *taps, int64_t n_taps, const int64_t *ids, const float *table,
+                  int64_t vocab, const float *final_norm, float *normed, int64_t R) {
+    if (table) {
+        for (int64_t t = 0; t < T; t++)
+            if (ids[t] < 0 || ids[t] >= vocab) return t;
+        for (int64_t t = 0; t < T; t++) memcpy(x + t * H, table + ids[t] * H, sizeof(float) * H);
+    }
     for (int64_t i = 0; i < L; i++) {
         void *const *p = ptrs + 10 * i;
         llama_layer(x, T, seq, pos, H, hq, hkv, d, inter, eps, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7],
@@ -356,4 +368,6 @@ void llama_layers(float *x, int64_t T, const int64_t *seq, const int64_t *pos, i
             for (int64_t t = 0; t < T; t++)
                 memcpy(taps + (t * n_taps + tap_of[i]) * H, x + t * H, sizeof(float) * H);
     }
+    if (final_norm) rms_rows(x + (T - R) * H, final_norm, normed, R, H, eps);
+    return -1;
 }

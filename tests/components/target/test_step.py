@@ -299,6 +299,32 @@ def test_all_layers_in_one_call_give_the_bits_of_a_call_per_layer(tiny_target, f
         assert not torch.equal(taps[:, 0], taps[:, 1])  # the taps of different layers, not one copied twice
 
 
+
+@needs_kernel
+def test_the_layers_call_embeds_and_normalises_in_the_same_call(tiny_target, fast):
+    """``RowsGemm.layers`` with the embedding table and the final norm: the same states as torch's
+    embedding then the layers (bit for bit: a row copy), the last R rows normalised as torch's
+    RMS norm does them (within float32 rounding); an id outside the table is an ``IndexError``
+    raised before the slab is written."""
+    decoder, kernel = fast.decoder, fast.decoder.kernels
+    s, table = decoder.shape, decoder.embed.weight
+    pool = fast.slot_pool(1)
+    decoder.prefill_row(torch.tensor([prompts(tiny_target)[0][:20]]), pool.k, pool.v, 0)
+    ids, seq, pos = torch.tensor([5, 11, 2]), torch.zeros(3, dtype=torch.long), torch.tensor([20, 21, 22])
+    want = decoder.embed(ids).contiguous()
+    want_taps = kernel.layers(want, seq, pos, s, decoder.layers, pool.k, pool.v, decoder.cos, decoder.sin, 2, decoder.taps)
+    x, normed = torch.full((3, s.hidden), float("nan")), torch.empty(2, s.hidden)
+    taps = kernel.layers(x, seq, pos, s, decoder.layers, pool.k, pool.v, decoder.cos, decoder.sin, 2, decoder.taps,
+                         ids=ids, table=table, norm=decoder.final_norm, normed=normed)
+    assert torch.equal(x, want) and torch.equal(taps, want_taps)
+    ref = torch.nn.functional.rms_norm(want[1:], (s.hidden,), decoder.final_norm, s.eps)
+    assert torch.allclose(normed, ref, rtol=1e-5, atol=1e-6) and not torch.equal(normed, want[1:])
+    before = [t.clone() for t in pool.k]
+    with pytest.raises(IndexError, match="outside the embedding table"):
+        kernel.layers(x, seq, pos + 3, s, decoder.layers, pool.k, pool.v, decoder.cos, decoder.sin, 2, decoder.taps,
+                      ids=torch.tensor([5, table.shape[0], 2]), table=table)
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.k))
+
 def test_last_logits_are_the_last_row_of_the_full_pass(tiny_target, fast):
     """A prefill asks for its last position's logits only (both targets), and they are the full
     pass's last row."""
