@@ -220,14 +220,14 @@ class BatchEngine:
         hidden [B, G+1, n, H] (or None), seconds."""
         rows, dev = self.batch.rows, self.target.device
         width = 1 + max(r.num_drafts for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
-        for b, row in enumerate(rows):
-            ids[b, 0] = row.seq.last_token[0]
-            if row.drafts is not None:
-                ids[b, 1:1 + row.drafts.shape[1]] = row.drafts[0]
-        starts = torch.tensor([r.seq.length - 1 for r in rows], dtype=torch.long, device=dev)
-        positions = starts[:, None] + torch.arange(width, device=dev)[None, :]  # [B, G+1]
+        # [B, G+1]: x_{n-1} (the last of the row's new tokens), its drafts, padding; built as lists,
+        # one tensor op (a round's small torch ops cost more than their work, docs/results.md)
+        ids = torch.tensor([[r.seq.new_tokens[-1]] + ([] if r.drafts is None else r.drafts[0].tolist())
+                            + [0] * (width - 1 - r.num_drafts) for r in rows], dtype=torch.long, device=dev)
         cache = self.batch.cache
+        # a slot cache knows each row's positions (its committed slots); an HF cache is told them
+        positions = None if self.pool is not None else torch.tensor(
+            [[r.seq.length - 1 + j for j in range(width)] for r in rows], dtype=torch.long, device=dev)  # [B, G+1]
         t0 = time.perf_counter()
         # each row's real tokens: a slot cache leaves the padding out of the pass (ragged kernel rows)
         mask = cache.attention_mask(width, [1 + r.num_drafts for r in rows])
@@ -243,9 +243,6 @@ class BatchEngine:
         rows, outs, finished = self.batch.rows, [], []
         t0 = time.perf_counter()
         verdicts = self._verdicts(logits)
-        keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
-        for b, (a, _) in enumerate(verdicts):
-            keep[b, :a + 1] = True
         states = self.drafting.consume_verified(rows, [a for a, _ in verdicts], hidden)
         shared = (time.perf_counter() - t0) / len(rows)
         for b, (row, (a, nxt)) in enumerate(zip(rows, verdicts)):
@@ -257,7 +254,7 @@ class BatchEngine:
             outs.append(out)
             if out.finished:
                 finished.append(b)
-        self.batch.cache.commit(keep)
+        self.batch.cache.commit([a + 1 for a, _ in verdicts])  # x_{n-1} and the accepted drafts of each row
         self.batch.remove(finished)
         if self.batch.cache is not None and self.batch.cache.reclaimable() > self.compact_at:
             self.batch.cache.compact()

@@ -68,8 +68,12 @@ class RaggedCache:
         new = torch.ones(self.batch_size, new_tokens, dtype=torch.long, device=self.valid.device)
         return torch.cat([self.valid.long(), new], dim=1)
 
-    def commit(self, keep: Tensor) -> None:
-        """After a forward appended keep.shape[1] slots: keep [B, T] bool marks the committed ones."""
+    def commit(self, keep: Tensor | list[int]) -> None:
+        """After a forward appended keep.shape[1] slots: keep [B, T] bool marks the committed ones
+        (or, per row, how many of the T: the first ones)."""
+        if isinstance(keep, list):
+            width = self.cache.get_seq_length() - self.length
+            keep = torch.arange(width)[None, :] < torch.tensor(keep)[:, None]  # [B, T]
         if self.cache.get_seq_length() != self.length + keep.shape[1]:
             raise RuntimeError(f"cache has {self.cache.get_seq_length()} slots, mask {self.length}+{keep.shape[1]}")
         self.valid = torch.cat([self.valid, keep.to(self.valid.device)], dim=1)

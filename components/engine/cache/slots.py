@@ -75,9 +75,11 @@ class SlotCache:
         how many of the ``new_tokens`` of each row are real (kept for the forward as ``new_tokens``)."""
         self.new_tokens = None if real is None else [min(int(n), new_tokens) for n in real]
 
-    def commit(self, keep: Tensor) -> None:
-        """keep [B, W] bool: which of each row's W new slots hold committed tokens (a prefix)."""
-        for b, count in enumerate(keep.sum(dim=1).tolist()):
+    def commit(self, keep: Tensor | list[int]) -> None:
+        """keep [B, W] bool: which of each row's W new slots hold committed tokens (a prefix); or
+        how many of each row's new slots do (``RaggedCache.commit`` takes either too)."""
+        counts = keep if isinstance(keep, list) else keep.sum(dim=1).tolist()
+        for b, count in enumerate(counts):
             self.lengths[b] += int(count)
 
     def holes(self) -> float:
