@@ -257,11 +257,10 @@ class SuffixDrafter:
         yet consumed, then the last token) are consumed: [1, 0] when it would propose nothing.
         Exact: the request's tree is run ahead over the unconsumed ids (``consume`` then finds
         them there)."""
-        ahead = recent[0, :-1].tolist()
-        best = self.candidate(state, recent[0, -1:], self.num_speculative_tokens, ahead)
-        self._previews[state.tree] = (state.length + len(ahead), int(recent[0, -1]), self._observed, best)
-        kept = self.confidences(best, len(self._kept(best)))
-        return torch.tensor([kept], dtype=torch.float32).reshape(1, len(kept))
+        ids = recent[0].tolist()  # the unconsumed ids, then the last token
+        best = self.candidate(state, ids[-1], self.num_speculative_tokens, ids[:-1])
+        self._previews[state.tree] = (state.length + len(ids) - 1, ids[-1], self._observed, best)
+        return torch.tensor([self.confidences(best, len(self._kept(best)))], dtype=torch.float32)  # [1, g]
 
     def _previewed(self, state: SuffixState, last_token: Tensor, gamma: int) -> Candidate | None:
         """The candidate the request's last ``preview`` read, taken once, if it read these very
@@ -279,13 +278,14 @@ class SuffixDrafter:
         """The candidate's tokens if it is proposed (a match scoring ≥ ``min_score``), else none."""
         return best.tokens if best.tokens and best.score >= self.min_score else []
 
-    def candidate(self, state: SuffixState, last_token: Tensor, gamma: int, ahead: Sequence[int] = ()) -> Candidate:
-        """The best candidate of at most ``gamma`` tokens after ``last_token`` [1] (``speculate``
+    def candidate(self, state: SuffixState, last_token: Tensor | int, gamma: int, ahead: Sequence[int] = ()) -> Candidate:
+        """The best candidate of at most ``gamma`` tokens after ``last_token`` [1] (or its id) (``speculate``
         over the committed tail that fits a match), before ``min_score`` is applied; ``ahead``:
         ids committed after the state's, not consumed yet (``preview``)."""
         tree = self._tree(state, ahead)
         end = state.length + len(ahead)
-        context = tree.seqs.get(REQUEST, [])[max(0, end - self.max_match + 1):end] + [int(last_token[0])]
+        last = last_token if isinstance(last_token, int) else int(last_token[0])
+        context = tree.seqs.get(REQUEST, [])[max(0, end - self.max_match + 1):end] + [last]
         best = self.speculate(tree, context, gamma)
         self.calibration.note(tree, end + 1, best.tokens, best.cells)  # its ids: the last token at end
         return best

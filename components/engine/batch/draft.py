@@ -131,12 +131,14 @@ class Drafting:
         for row in rows:
             if not row.speculates:
                 continue
-            recent = torch.cat([t for t, _ in row.pending] + [row.seq.last_token[:, None]], dim=1)  # [1, k+1]
+            last = row.seq.last_token[:, None]  # [1, 1]
+            recent = torch.cat([t for t, _ in row.pending] + [last], dim=1) if row.pending else last  # [1, k+1]
             conf = self.drafter.preview(row.seq.draft_state, recent)  # [1, g] or None
             blind += conf is None
             if conf is not None:
+                conf = conf.detach()
                 padded = np.zeros((1, max_cap))
-                padded[:, :min(conf.shape[1], max_cap)] = conf[:, :max_cap].detach().to("cpu", torch.float64).numpy()
+                padded[0, :min(conf.shape[1], max_cap)] = (conf if conf.device.type == "cpu" else conf.cpu()).numpy()[0, :max_cap]
                 row.estimate.refresh(padded, self.policy.calibrate)
                 offered += conf.shape[1] > 0
         return offered, blind

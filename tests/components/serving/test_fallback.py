@@ -14,7 +14,15 @@ from torch import nn
 
 from components.config import DrafterConfig
 from components.drafters.capabilities import Capability
-from components.serving.fallback import FAILED, GUARDED, STAND_IN_FOR, GuardedDrafter, _returns
+from components.serving.fallback import (
+    FAILED,
+    GUARDED,
+    STAND_IN_FOR,
+    GuardedDrafter,
+    _bind,
+    _declared,
+    _returns,
+)
 from components.serving.protocol import parse_request
 from components.serving.replica import Replica
 from components.serving.responses import Outcome
@@ -153,3 +161,20 @@ def test_a_preview_reads_the_slots_state_and_a_failed_one_is_not_known(tiny_targ
     assert guarded.preview(FAILED, torch.tensor([[2]])) is None and guarded.failures == 0
     blind = GuardedDrafter(Blind(tiny_target.vocab_size, 4, max_depth=16), tiny_target.vocab_size)
     assert blind.preview(blind.init_state(1), torch.tensor([[2]])) is None and blind.failures == 1
+
+
+@pytest.mark.parametrize("args,kwargs", [
+    (("s", "t"), {}),  # positional only
+    (("s", "t", "greedy"), {"generator": "g"}),  # a keyword that binds in place
+    (("s", "t"), {"num_speculative_tokens": 3}),  # one after a skipped default: stays a keyword
+    (("s",), {"last_token": "t", "sampling": "greedy", "generator": "g", "num_speculative_tokens": 2}),
+])
+def test_a_calls_arguments_bind_as_the_declared_signature_binds_them(args, kwargs):
+    """The guard binds each call by the declared names from a layout worked out once per way of
+    calling; it gives what ``Signature.bind`` gives, and a call that does not fit is a TypeError."""
+    want = _declared("propose").bind(*args, **kwargs)
+    for _ in range(2):  # the layout worked out, then read back
+        got = _bind("propose", args, kwargs)
+        assert (got.args, got.kwargs, got.arguments) == (want.args, want.kwargs, dict(want.arguments))
+    with pytest.raises(TypeError):
+        _bind("propose", args, {**kwargs, "temperature": 0.5})
