@@ -3,7 +3,7 @@ prompts, without HTTP, Ray or the replica's threads around it.
 
     python bench/closed_loop.py [--method suffix|hybrid|model] [--drafter DIR] [--rollouts DATA_DIR]
                                 [--concurrency 1,8] [--requests N] [--new-tokens 64] [--threads 2] [--reps 2]
-                                [--step-precision float32|bfloat16]
+                                [--step-precision float32|bfloat16] [--prefix-cache-tokens N]
 
 Builds the engine as a replica builds it (``serving.assemble.build_parts`` and ``adapt``: the
 served drafter, its adaptive cap and its round profile, measured once per host and cached), then
@@ -17,8 +17,11 @@ from its own earlier answer. Every spec-on output is checked equal to its spec-o
 
 Reported per level, mode and repetition: tokens/s over the wall time, the engine's rounds and
 where their time went (prefill, target passes, drafting, the rest: ``BatchEngine.stats``), τ
-over the drafting rows and the share of row-rounds that drafted; then spec on / off per
-repetition. Against ``bench/serve.py`` this leaves out the HTTP server, the replica's event
+over the drafting rows and the share of row-rounds that drafted, the prompt tokens copied from
+kept prefixes; then spec on / off per
+repetition. ``--prefix-cache-tokens`` N > 0 serves with ``serve.prefix_cache_tokens`` N, the store
+emptied before each mode, so that either mode copies only what earlier prompts of its own left
+(default 0: off; the serve stage's default keeps 4,096 tokens). Against ``bench/serve.py`` this leaves out the HTTP server, the replica's event
 loop and its streaming: a gap between the two is theirs. Nothing is asserted about time.
 """
 
@@ -55,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch threads, as serve.torch_threads")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prefix-cache-tokens", type=int, default=0,
+                    help="serve.prefix_cache_tokens (emptied before each mode; 0: off)")
     ap.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16"],
                     help="target.step_precision (bfloat16: the fast step's Q4_1 products on bfloat16 inputs)")
     args = ap.parse_args()
@@ -88,7 +93,7 @@ def closed_loop(engine: Any, prompts: list[list[int]], concurrency: int, new_tok
 def delta(after: EngineStats, before: EngineStats) -> dict[str, float]:
     """What the engine counted between two snapshots of its stats."""
     names = ("rounds", "row_rounds", "tokens", "drafting_rounds", "accepted", "draft_seconds", "verify_seconds",
-             "prefill_seconds", "busy_seconds")
+             "prefill_seconds", "busy_seconds", "prompt_tokens", "prefix_hit_tokens")
     return {n: getattr(after, n) - getattr(before, n) for n in names}
 
 
@@ -101,6 +106,9 @@ def report(conc: int, mode: str, rep: int, tokens: int, secs: float, d: dict[str
     print(f"{conc:>4} {mode:<8} {rep:>3} {secs:7.2f} {rate:8.1f} {ratio} {d['rounds']:7.0f} "
           f"{d['prefill_seconds']:8.2f} {d['verify_seconds']:8.2f} {d['draft_seconds']:7.2f} {rest:6.2f} "
           f"{1e3 * rest / max(1, d['rounds']):7.2f} {tau:6.2f} {share:7.2f}")
+    if d["prefix_hit_tokens"]:
+        print(f"{'':>4} {mode:<8} prompt tokens copied from kept prefixes: {d['prefix_hit_tokens']:.0f} of "
+              f"{d['prompt_tokens']:.0f} ({d['prefix_hit_tokens'] / d['prompt_tokens']:.1%})")
     return rate
 
 
@@ -111,6 +119,7 @@ def main() -> None:
     target = TargetConfig(name_or_path="embedded", step_precision=args.step_precision)
     path = resolve_target_path(target)
     sc = ServeConfig(max_ongoing_requests=max(levels), torch_threads=args.threads, drafter=args.method,
+                     prefix_cache_tokens=args.prefix_cache_tokens,
                      suffix_rollouts=str(Path(args.rollouts).resolve()) if args.rollouts != "none" else "none")
     source = DrafterSource(str(Path(args.drafter).resolve()) if args.drafter else None, "bench", method=args.method)
     parts = build_parts(target, sc, path, source)
@@ -134,6 +143,8 @@ def main() -> None:
             start += counts[conc]
             done: dict[bool, tuple[list[list[int]], float, dict[str, float]]] = {}
             for speculate in (True, False):  # speculation first: the tree learns these answers
+                if engine.prefixes is not None:  # each mode copies only what its own earlier prompts left
+                    engine.prefixes.clear()
                 before = dataclasses.replace(engine.stats)
                 outs, secs = closed_loop(engine, mine, conc, args.new_tokens, speculate)
                 done[speculate] = outs, secs, delta(engine.stats, before)

@@ -5,6 +5,7 @@ concurrency levels over HTTP on loopback, speculation on and off in one run.
                           [--requests N] [--new-tokens 64] [--threads 1] [--prefill-threads 0] [--no-adaptive]
                           [--loop-stages S] [--rollouts DATA_DIR]
                           [--target-step auto|fast|hf] [--step-precision float32|bfloat16] [--stream-interval-ms MS]
+                          [--prefix-cache-tokens N]
     python bench/serve.py --url http://127.0.0.1:8000 --model NAME [--tokenizer DIR]   # any OpenAI server
 
 Without ``--url`` it starts Ray and the specline app (``pipelines.serve.start_app``) with the
@@ -30,6 +31,11 @@ learns every response the server finishes: then each level runs prompts of its o
 before ``spec off``, so that no timed request is drafted from its own earlier answer (the warm-up
 requests use a prompt of their own). ``--rollouts`` starts that global tree with a data
 directory's responses (``serve.suffix_rollouts``; default: empty).
+
+Both modes send the same prompts, so the server starts with ``serve.prefix_cache_tokens`` 0 (no
+prompt prefixes kept across requests): the second mode would otherwise copy what the first left
+of each prompt. ``--prefix-cache-tokens N`` serves with N (the serve stage's default is 4,096): for
+a comparison with another server ("as served", ``--url``) or one mode alone.
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=0, help="requests per level (default max(16, 2 x level))")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the replica")
+    ap.add_argument("--prefix-cache-tokens", type=int, default=0,
+                    help="serve.prefix_cache_tokens (default 0: off, since both modes send the same prompts)")
     ap.add_argument("--prefill-threads", type=int, default=0,
                     help="serve.prefill_threads: the fast step's threads in prompt passes (0: --threads)")
     ap.add_argument("--target-step", default="auto", choices=["auto", "fast", "hf"],
@@ -285,7 +293,7 @@ def start_server(args: argparse.Namespace, top: int) -> str:
     path = resolve_target_path(target)
     sc = ServeConfig(port=args.port, model_name=args.model, max_ongoing_requests=top, max_queued_requests=2 * top,
                      adaptive=not args.no_adaptive, torch_threads=args.threads, cpus_per_replica=1.0,
-                     prefill_threads=args.prefill_threads,
+                     prefill_threads=args.prefill_threads, prefix_cache_tokens=args.prefix_cache_tokens,
                      loop_stages=args.loop_stages, drafter=args.method,
                      suffix_rollouts=args.rollouts,  # a path field: made absolute by the config
                      **({} if args.stream_interval_ms is None else {"stream_interval_ms": args.stream_interval_ms}))

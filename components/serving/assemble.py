@@ -50,6 +50,7 @@ from components.engine import (
     resolve_settings,
     suffix_drafter,
 )
+from components.engine.cache.prefix import BLOCK
 from components.serving.fallback import GuardedDrafter
 from components.serving.provenance import DrafterSource
 from components.target import load_target
@@ -88,7 +89,8 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
     stages = _loop_stages(sc, drafter)
     guarded = GuardedDrafter(drafter, target.vocab_size) if drafter is not None else None
     drafting = _settings(sc, guarded, stages, _carryover(sc, model, source))
-    engine = BatchEngine(target, guarded, max_batch_size=sc.max_ongoing_requests, settings=drafting)
+    engine = BatchEngine(target, guarded, max_batch_size=sc.max_ongoing_requests, settings=drafting,
+                         prefix_tokens=sc.prefix_cache_tokens)
     settings = {"drafter": family, "num_speculative_tokens": drafting.num_speculative_tokens, "max_cap": drafting.max_cap,
                 "loop_stages": stages,
                 "loop_gate": "adaptive cap" if sc.loop_gate is None and sc.adaptive else drafting.loop_gate,
@@ -97,6 +99,7 @@ def build_parts(target_cfg: TargetConfig, sc: ServeConfig, target_path: str, sou
                 "max_batch_size": sc.max_ongoing_requests, "max_queued_requests": sc.max_queued_requests,
                 "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
                 "torch_threads": sc.torch_threads, "prefill_threads": prefill_threads,
+                "prefix_cache_tokens": engine.prefixes.max_blocks * BLOCK if engine.prefixes is not None else 0,
                 "target_step": notes[-1] if notes else "",
                 "suffix_rollouts": sc.suffix_rollouts if family.startswith(("suffix", "hybrid")) else None}
     adapts = sc.adaptive and guarded is not None
@@ -117,7 +120,7 @@ def adapt(parts: EngineParts, sc: ServeConfig) -> None:
         return
     try:
         parts.engine, stored = adaptive_engine(parts.target, parts.drafter, parts.engine_settings, sc.profile_dir,
-                                               sc.max_ongoing_requests)
+                                               sc.max_ongoing_requests, prefix_tokens=sc.prefix_cache_tokens)
     except ValueError as err:
         raise ConfigError(f"serve.profile_dir: {err}") from None
     parts.settings |= {"adaptive": True, "round_profile": stored.describe()}

@@ -34,6 +34,8 @@ FIELDS = {  # counter: the EngineStats field it follows
     "specline:engine_prefill_seconds": "prefill_seconds",
     "specline:engine_forward_seconds": "verify_seconds",
     "specline:engine_draft_seconds": "draft_seconds",
+    "vllm:prefix_cache_queries": "prompt_tokens",
+    "vllm:prefix_cache_hits": "prefix_hit_tokens",
 }
 PER_POSITION = {"vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_at"}  # counter{position}: list field
 

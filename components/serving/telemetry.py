@@ -22,6 +22,8 @@ colon becomes ``_`` and Ray adds its prefix: ``vllm:spec_decode_num_drafts`` is
     specline:engine_rounds / _busy_seconds / _prefill_seconds / _forward_seconds / _draft_seconds
                                                counters: the engine's rounds, their time, and of it
                                                admission (prefill), the rounds' target pass, drafting
+    vllm:prefix_cache_queries / _hits          counters, prompt tokens admitted / copied from kept
+                                               prompt prefixes (``serve.prefix_cache_tokens``)
 
 Knows metric names and the Prometheus text format; nothing about the engine or HTTP (the
 replica feeds it).
@@ -70,6 +72,9 @@ SPECS: dict[str, tuple[str, str, tuple[str, ...], Sequence[float]]] = {  # name:
     "specline:engine_forward_seconds": ("counter", "Engine time in the rounds' target passes (verify or plain).",
                                         (), ()),
     "specline:engine_draft_seconds": ("counter", "Engine time drafting.", (), ()),
+    "vllm:prefix_cache_queries": ("counter", "Prompt tokens of admitted requests.", (), ()),
+    "vllm:prefix_cache_hits": ("counter", "Prompt tokens copied from kept prompt prefixes instead of computed.",
+                               (), ()),
 }
 
 

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from components.config import TINY_TARGET, TargetConfig
 from components.drafters.capabilities import Capability, has
+from components.engine.cache.prefix import PrefixStore
 from components.engine.cache.slots import SlotCache, SlotPool
 from components.target.blocks import BLOCK, BlockIndex, quantize_q8_0
 from components.target.draft_layers import KernelLayers
@@ -140,16 +141,32 @@ class StepTarget(Target):
         """A slab of ``rows`` sequences of ``capacity`` slots each, for the batch engine."""
         return SlotPool(*self.decoder.new_slab(rows))
 
-    def prefill_slot(self, pool: SlotPool, input_ids: Tensor, layer_ids: Sequence[int] = ()) -> TargetOutput:
+    def prefill_slot(self, pool: SlotPool, input_ids: Tensor, layer_ids: Sequence[int] = (),
+                     prefixes: PrefixStore | None = None) -> TargetOutput:
         """One sequence's prompt ``input_ids`` [1, P] into a free row of ``pool`` → logits of its
-        last token [1, 1, V], taps of ``layer_ids``, and ``cache``: a ``SlotCache`` of that one row."""
+        last token [1, 1, V], taps of ``layer_ids``, and ``cache``: a ``SlotCache`` of that one row.
+        ``prefixes``: the prompt's longest kept prefix is copied from it instead of computed, where
+        the pass asks for no taps and leaves at least ``prefix_tail`` tokens (``last`` then covers
+        the computed ones only); the prompt's blocks are kept in it for the prompts after it."""
         count = input_ids.shape[1]
         if count > pool.slots:
             raise TargetError(f"target.static_len: a prompt of {count} tokens is past the fast step's {pool.slots} "
                               "cache slots; raise target.static_len (or set target.step: hf)")
         row = pool.acquire()
-        logits, taps, last = self.decoder.prefill_row(input_ids, pool.k, pool.v, row)
+        ids = input_ids[0].tolist() if prefixes is not None else []
+        tail = self.prefix_tail
+        start = prefixes.load(ids, pool.k, pool.v, row, count - tail) if prefixes is not None and tail and not layer_ids else 0
+        logits, taps, last = self.decoder.prefill_row(input_ids, pool.k, pool.v, row, start)
+        if prefixes is not None:
+            prefixes.keep(ids, pool.k, pool.v, row)
         return TargetOutput(logits, self._pick(taps, layer_ids), last, SlotCache(pool, [row], [count]))
+
+    @property
+    def prefix_tail(self) -> int | None:
+        """The fewest tokens a prefill may compute after a kept prefix and still give the bits of
+        the whole prompt's pass (``RowsGemm.same_bits_rows``: the kernels' rows take the same
+        sums; the attention's and the layers' other work are per row); None: never split."""
+        return self.decoder.kernels.same_bits_rows if self.decoder.kernels is not None else None
 
     def _pick(self, taps: Tensor, layer_ids: Sequence[int]) -> Tensor | None:  # [..., n, H] -> [..., len(ids), H]
         key = tuple(layer_ids)

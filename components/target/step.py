@@ -177,12 +177,14 @@ class StaticDecoder(nn.Module):
         return logits, stacked, x
 
 
-    def prefill_row(self, ids: Tensor, k: list[Tensor], v: list[Tensor], row: int) -> tuple[Tensor, Tensor, Tensor]:
+    def prefill_row(self, ids: Tensor, k: list[Tensor], v: list[Tensor], row: int,
+                    start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
         """One sequence's prompt ``ids`` [1, P] into row ``row`` of the slab k/v (slots 0..P-1) →
-        logits of its last token [1, 1, V], taps [1, P, n, H], last [1, P, H]."""
-        count = ids.shape[1]
-        pos = torch.arange(count, device=ids.device).unsqueeze(0)
-        return self(ids, pos, 0, causal_mask(0, count, ids.device), [x[row:row + 1] for x in k],
+        logits of its last token [1, 1, V], taps [1, P', n, H], last [1, P', H] of the P' = P -
+        ``start`` tokens it computes: slots 0..start-1 already hold the prompt's first ones."""
+        count = ids.shape[1] - start
+        pos = torch.arange(start, start + count, device=ids.device).unsqueeze(0)
+        return self(ids[:, start:], pos, start, causal_mask(start, count, ids.device), [x[row:row + 1] for x in k],
                     [x[row:row + 1] for x in v], last_only=True, threads=self.prefill_threads)
 
     def _forward_kernels(self, ids: Tensor, start: int, k: list[Tensor], v: list[Tensor],

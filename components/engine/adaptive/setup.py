@@ -63,11 +63,11 @@ def adaptive_policy(target: Any, drafter: Any, settings: EngineSettings, profile
 
 def adaptive_engine(target: Any, drafter: Any, settings: EngineSettings, profile_dir: str | Path,
                     max_batch_size: int, notice: Callable[[Path], None] | None = None,
-                    learn_responses: bool = True) -> tuple[BatchEngine, StoredProfile]:
+                    learn_responses: bool = True, prefix_tokens: int = 0) -> tuple[BatchEngine, StoredProfile]:
     """(the engine, its profile): a ``BatchEngine`` of ``max_batch_size`` rows drafting by
-    ``settings`` under the adaptive cap of ``adaptive_policy`` (``learn_responses``: as
-    ``BatchEngine``'s)."""
+    ``settings`` under the adaptive cap of ``adaptive_policy`` (``learn_responses``,
+    ``prefix_tokens``: as ``BatchEngine``'s)."""
     policy, stored = adaptive_policy(target, drafter, settings, profile_dir, max_batch_size, notice)
     engine = BatchEngine(target, drafter, max_batch_size=max_batch_size, draft_length=policy, settings=settings,
-                         learn_responses=learn_responses)
+                         learn_responses=learn_responses, prefix_tokens=prefix_tokens)
     return engine, stored

@@ -10,7 +10,8 @@ length) is prefilled without a mask, exactly as batch 1 always was.
 The padding slots stay in the ragged cache as holes (``RaggedCache``: masked out, removed by
 compaction), like rejected drafts. A target whose batch cache is a static slab
 (``batch_cache == "slots"``: the fast step) prefills each prompt into a free row of its own
-instead (``SlotCache``: no padding, no holes). Each request's first token is drawn by its own rule with its
+instead (``SlotCache``: no padding, no holes), copying the longest prefix that an earlier prompt
+left in ``prefixes`` (``cache.prefix.PrefixStore``) instead of computing it. Each request's first token is drawn by its own rule with its
 own randomness, in admission order, as a batch-1 prefill would.
 
 Knows the target's forward, the drafter's consume protocol and the ragged cache; nothing about
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from components.engine.batch.draft import consume_rows
 from components.engine.batch.state import Batch, Request, Row, StepOutput
+from components.engine.cache.prefix import PrefixStore
 from components.engine.cache.ragged import RaggedCache
 from components.engine.cache.slab import preallocate
 from components.engine.cache.slots import SlotCache, SlotPool
@@ -38,13 +40,14 @@ class Admission:
     """Prefills requests joining the batch (``admit``), for ``BatchEngine``."""
 
     def __init__(self, target: Any, drafter: Any, layer_ids: list[int], preallocate_cache: bool = True,
-                 pool: SlotPool | None = None):
+                 pool: SlotPool | None = None, prefixes: PrefixStore | None = None):
         """``pool``: the slab of a target whose ``batch_cache`` is "slots" (prompts prefilled
-        one by one into its free rows); None: one padded forward into a ragged HF cache."""
+        one by one into its free rows); None: one padded forward into a ragged HF cache.
+        ``prefixes``: prompt prefixes kept across requests (with ``pool`` only)."""
         self.target, self.drafter = target, drafter  # drafter None: every request decodes plainly
         self.layer_ids = layer_ids
         self.preallocate_cache = bool(preallocate_cache)
-        self.pool = pool
+        self.pool, self.prefixes = pool, prefixes
 
     def admit(self, batch: Batch, reqs: list[Request]) -> list[StepOutput]:
         """Prefills ``reqs`` into ``batch``; emits each one's first token; requests that end
@@ -114,7 +117,7 @@ class Admission:
         lasts, prompts, hidden, cache = [], [], [], SlotCache(self.pool, [], [])
         for r in reqs:
             ids = torch.tensor([r.prompt_ids], dtype=torch.long, device=dev)  # [1, L]
-            out = self.target.prefill_slot(self.pool, ids, layer_ids)
+            out = self.target.prefill_slot(self.pool, ids, layer_ids, self.prefixes)
             lasts.append(out.logits[0, -1])
             prompts.append(ids)
             hidden.append(out.hidden)

@@ -54,6 +54,7 @@ from components.engine.batch.draft import Drafting
 from components.engine.batch.state import Batch, Request, Row, StepOutput
 from components.engine.batch.stats import EngineStats
 from components.engine.batch.tree_round import TreeRounds
+from components.engine.cache.prefix import PrefixStore
 from components.engine.chain import commit_round
 from components.engine.core import EngineDrafter, GenerationResult, sync_device
 from components.engine.rules import Rule
@@ -68,7 +69,7 @@ class BatchEngine:
                  carryover: bool = EngineSettings.carryover, max_batch_size: int = 16, compact_at: float = 0.5,
                  draft_length: DraftLengthPolicy | None = None, preallocate: bool = EngineSettings.preallocate,
                  tree_budget: int = EngineSettings.tree_budget, tree_builder: str = EngineSettings.tree_builder,
-                 settings: EngineSettings | None = None, learn_responses: bool = True):
+                 settings: EngineSettings | None = None, learn_responses: bool = True, prefix_tokens: int = 0):
         """``drafter=None``: every request decodes plainly. ``settings``: the drafting settings,
         resolved already (``settings.resolve_settings``); else resolved here from γ, DLoop,
         carryover, ``preallocate`` (the batch's KV cache grows in place in a buffer with
@@ -79,7 +80,9 @@ class BatchEngine:
         round. ``draft_length``: the per-round cap on drafts (default fixed γ·stages;
         ``AdaptiveDraftLength`` shrinks it under load). ``learn_responses``: hand each finished
         response to a drafter declaring ``LEARNS_RESPONSES`` (False: the caller does, e.g. keyed
-        by prompt so that a prompt run again is not drafted from its own answer)."""
+        by prompt so that a prompt run again is not drafted from its own answer). ``prefix_tokens``
+        > 0: a fast-step target's prompts leave their keys and values, up to that many tokens, for
+        later prompts that start alike to copy instead of compute (``cache.prefix``)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.settings = settings or resolve_settings(drafter, num_speculative_tokens, loop_stages, loop_gate, carryover,
@@ -95,7 +98,8 @@ class BatchEngine:
         self._cancelled: set[str] = set()
         # a fast-step target keeps the running batch in rows of one static slab (cache.slots)
         self.pool = target.slot_pool(self.max_batch_size) if target.batch_cache == "slots" else None
-        self.admission = Admission(target, drafter, self.layer_ids, self.settings.preallocate, self.pool)
+        self.prefixes = PrefixStore(prefix_tokens) if self.pool is not None and prefix_tokens > 0 else None
+        self.admission = Admission(target, drafter, self.layer_ids, self.settings.preallocate, self.pool, self.prefixes)
         self.drafting = Drafting(drafter, self.settings, self.draft_length)
         self.trees = TreeRounds(target, drafter, self.settings if self.pool is None else
                                 dataclasses.replace(self.settings, tree_budget=0))  # trees gather HF cache rows
@@ -158,8 +162,11 @@ class BatchEngine:
         start = time.perf_counter()
         outputs = self._drop_cancelled()
         free = self.max_batch_size - len(self.batch.rows)
-        outputs += self.admission.admit(self.batch, [self.waiting.popleft()
-                                                     for _ in range(min(free, len(self.waiting)))])
+        joining = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        hits = self.prefixes.hits if self.prefixes is not None else 0
+        outputs += self.admission.admit(self.batch, joining)
+        self.stats.prompt_tokens += sum(len(r.prompt_ids) for r in joining)
+        self.stats.prefix_hit_tokens += (self.prefixes.hits if self.prefixes is not None else 0) - hits
         prefill = time.perf_counter() - start  # admission (dropping cancelled rows: next to nothing)
         if not self.batch.rows:
             self._record(outputs, 0, [], [], 0.0, 0.0, start, prefill)

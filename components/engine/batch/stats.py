@@ -4,7 +4,7 @@ Per-request figures live in ``GenerationResult``; these are engine-wide, summed 
 tokens emitted, rounds, mean batch size, τ (over the rows' drafting rounds, as vLLM counts) and
 the share of row-rounds that drafted (a row of a cap of 0, plain decoding or an empty proposal
 steps plainly), acceptance by draft position, draft / verify / busy seconds and tokens per busy
-second. ``summary()`` gives plain numbers (a serving layer exports them as metrics). Knows
+second, prompt tokens and those copied from kept prefixes. ``summary()`` gives plain numbers (a serving layer exports them as metrics). Knows
 nothing about models or requests' contents.
 """
 
@@ -28,6 +28,8 @@ class EngineStats:
     verify_seconds: float = 0.0  # the batched target forward
     prefill_seconds: float = 0.0  # admission: the prefill passes of requests joining the batch
     busy_seconds: float = 0.0  # whole rounds, admission (prefill) included
+    prompt_tokens: int = 0  # of the requests admitted
+    prefix_hit_tokens: int = 0  # of those, copied from kept prompt prefixes instead of computed
 
     def record(self, rows: int, accepted: list[int], drafted: list[int], emitted: int, finished: int,
                draft_seconds: float, verify_seconds: float, busy_seconds: float, prefill_seconds: float = 0.0) -> None:
@@ -62,4 +64,5 @@ class EngineStats:
             "tokens_per_second": self.tokens / busy,
             "draft_share": self.draft_seconds / busy, "verify_share": self.verify_seconds / busy,
             "prefill_share": self.prefill_seconds / busy,
+            "prefix_hit_share": self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
         }

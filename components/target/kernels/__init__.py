@@ -221,6 +221,15 @@ class RowsGemm:
                                  + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64])
         self._layers.restype = ctypes.c_int64
 
+    @property
+    def same_bits_rows(self) -> int | None:
+        """The fewest rows from which a pass gives each row the bits that row has in any longer
+        pass (so a prompt prefilled in two parts gets the bits of one pass: ``StepTarget``'s
+        prefix reuse). AVX-512: a pass of 8 or more rows has only blocks of 8 or more, and each
+        of those takes one sum per row (rows_gemm_512.c; the head reads one row); the tile unit
+        takes passes of 13 or more; the AVX2 build is not declared (None: never split)."""
+        return {"avx512": 8, "amx": 13}.get(self.isa)
+
     @classmethod
     def build(cls, directory: Path, isa: str | None = None, q41: str | None = None,
               precision: str = "float32") -> RowsGemm:

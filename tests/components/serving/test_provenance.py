@@ -97,6 +97,7 @@ def test_hybrid_without_a_trained_drafter_names_what_to_set(tmp_path):
     ({"suffix_num_speculative_tokens": 64}, "suffix_max_tree_depth must exceed"),
     ({"hybrid_suffix_threshold": -1.0}, "hybrid_suffix_threshold must be"),
     ({"prefill_threads": -1}, "prefill_threads must be at least 0"),
+    ({"prefix_cache_tokens": 8}, "prefix_cache_tokens must be 0 \\(off\\) or at least one block of 16 tokens"),
 ])
 def test_serve_drafter_keys_out_of_range_are_config_errors(serve, message):
     with pytest.raises(ConfigError, match=f"serve: .*{message}"):
