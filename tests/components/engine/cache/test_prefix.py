@@ -12,7 +12,7 @@ from components.engine import SuffixDrafter
 from components.engine.batch import BatchEngine, Request
 from components.engine.cache.prefix import BLOCK, PrefixStore
 from components.target.fast import KernelGemm, StepTarget
-from components.target.kernels import RowsGemm, why_unavailable
+from components.target.kernels import rows_gemm, why_unavailable
 
 LAYERS, HEADS, SLOTS, DIM = 2, 2, 128, 4
 
@@ -66,7 +66,7 @@ def test_the_least_recently_used_blocks_leave_first_and_a_prefixs_first_block_la
 def slot_target(tiny_target, tmp_path_factory) -> StepTarget:
     if why_unavailable() is not None:
         pytest.skip(f"kernel: {why_unavailable()}")
-    kernel = RowsGemm.build(tmp_path_factory.mktemp("kernels"))
+    kernel = rows_gemm(tmp_path_factory.mktemp("kernels"))  # built once per process
     if kernel.same_bits_rows is None:
         pytest.skip(f"the {kernel.isa} build declares no row count past which a pass's bits are its rows' own")
     return StepTarget(tiny_target, (), 256, KernelGemm(kernel), kernel)
