@@ -155,7 +155,8 @@ class StepTarget(Target):
         row = pool.acquire()
         ids = input_ids[0].tolist() if prefixes is not None else []
         tail = self.prefix_tail
-        start = prefixes.load(ids, pool.k, pool.v, row, count - tail) if prefixes is not None and tail and not layer_ids else 0
+        reuse = prefixes is not None and tail is not None and not layer_ids  # a cached prefix has no taps
+        start = prefixes.load(ids, pool.k, pool.v, row, count - tail) if reuse else 0
         logits, taps, last = self.decoder.prefill_row(input_ids, pool.k, pool.v, row, start)
         if prefixes is not None:
             prefixes.keep(ids, pool.k, pool.v, row)

@@ -11,8 +11,9 @@ The padding slots stay in the ragged cache as holes (``RaggedCache``: masked out
 compaction), like rejected drafts. A target whose batch cache is a static slab
 (``batch_cache == "slots"``: the fast step) prefills each prompt into a free row of its own
 instead (``SlotCache``: no padding, no holes), copying the longest prefix that an earlier prompt
-left in ``prefixes`` (``cache.prefix.PrefixStore``) instead of computing it. Each request's first token is drawn by its own rule with its
-own randomness, in admission order, as a batch-1 prefill would.
+left in ``prefixes`` (``cache.prefix.PrefixStore``) instead of computing it. Each request's first
+token is drawn by its own rule with its own randomness, in admission order, as a batch-1 prefill
+would.
 
 Knows the target's forward, the drafter's consume protocol and the ragged cache; nothing about
 drafting or verification.

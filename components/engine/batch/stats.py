@@ -4,8 +4,9 @@ Per-request figures live in ``GenerationResult``; these are engine-wide, summed 
 tokens emitted, rounds, mean batch size, τ (over the rows' drafting rounds, as vLLM counts) and
 the share of row-rounds that drafted (a row of a cap of 0, plain decoding or an empty proposal
 steps plainly), acceptance by draft position, draft / verify / busy seconds and tokens per busy
-second, prompt tokens and those copied from kept prefixes. ``summary()`` gives plain numbers (a serving layer exports them as metrics). Knows
-nothing about models or requests' contents.
+second, the prompt tokens admitted and those copied from kept prefixes. ``summary()`` gives plain
+numbers (a serving layer exports them as metrics). Knows nothing about models or requests'
+contents.
 """
 
 from __future__ import annotations
