@@ -11,14 +11,13 @@ Turn by turn, every conversation's prompt goes through the engine with at most `
 in it at once. The same conversations run with the store off and with a store of
 ``--prefix-cache-tokens`` tokens, alternated ``--reps`` times, each engine fresh; the replies are
 checked equal (the store changes no bits). Reported per mode: wall seconds, the engine's prefill
-seconds, the prompt tokens and the share copied from kept prefixes, the mean time to the first
-token per turn. Nothing is asserted about time.
+seconds, the prompt tokens and the share copied from kept prefixes, and per turn the prefill
+seconds per request (the engine's admission time, shared by the requests it admitted). Nothing is asserted about time.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,10 +28,10 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch
 
+from bench.closed_loop import closed_loop
 from components.config import EvalConfig, TargetConfig
-from components.engine.batch import BatchEngine, Request
+from components.engine.batch import BatchEngine
 from components.evaluation.prompts import eval_prompts, prompt_set
-from components.spec.sampling import GREEDY
 from components.target import load_target
 from components.target.fast import step_target
 from components.target.hf import resolve_target_path
@@ -59,40 +58,19 @@ def turn_suffix(tokenizer: Any, text: str) -> list[int]:
                      add_special_tokens=False)["input_ids"]
 
 
-def one_turn(engine: BatchEngine, prompts: list[list[int]], new_tokens: int,
-             concurrency: int) -> tuple[list[list[int]], list[float]]:
-    """Every prompt through ``engine``, at most ``concurrency`` at once → (replies in order,
-    each request's seconds to its first token)."""
-    queue, ids, done, firsts = list(enumerate(prompts)), {}, {}, []
-
-    def send() -> None:
-        i, prompt = queue.pop(0)
-        ids[engine.add(Request(prompt, new_tokens, GREEDY, seed=i))] = i
-
-    while queue and len(ids) < concurrency:
-        send()
-    while engine.has_work:
-        for out in engine.step():
-            if out.finished and out.result is not None:
-                done[ids[out.request_id]] = list(out.result.tokens)
-                firsts.append(out.result.prefill_seconds)
-                if queue:
-                    send()
-    return [done[i] for i in range(len(prompts))], firsts
-
-
 def converse(engine: BatchEngine, starts: list[list[int]], follow_ups: list[list[int]], turns: int, new_tokens: int,
              concurrency: int) -> tuple[list[list[int]], float, list[float]]:
     """Every conversation through ``turns`` turns → (every reply, in order; wall seconds; each
-    turn's mean seconds to the first token)."""
-    prompts, replies, ttft = [list(s) for s in starts], [], []
+    turn's prefill seconds per request)."""
+    prompts, replies, prefill = [list(s) for s in starts], [], []
     clock = time.perf_counter()
     for turn in range(turns):
-        got, firsts = one_turn(engine, prompts, new_tokens, concurrency)
+        before = engine.stats.prefill_seconds
+        got, _ = closed_loop(engine, prompts, concurrency, new_tokens, speculate=False)
         replies += got
         prompts = [p + r + follow_ups[(i + turn) % len(follow_ups)] for i, (p, r) in enumerate(zip(prompts, got))]
-        ttft.append(statistics.mean(firsts))
-    return replies, time.perf_counter() - clock, ttft
+        prefill.append((engine.stats.prefill_seconds - before) / len(prompts))
+    return replies, time.perf_counter() - clock, prefill
 
 
 def main() -> None:
@@ -110,19 +88,20 @@ def main() -> None:
     follow_ups = [turn_suffix(tokenizer, text) for text in FOLLOW_UPS]
     print(f"{len(chats)} conversations x {args.turns} turns x {args.new_tokens} tokens, greedy, concurrency "
           f"{args.concurrency}, {args.threads} thread(s)")
-    print(f"{'mode':<14} {'rep':>3} {'secs':>7} {'prefill s':>9} {'prompt tok':>10} {'copied':>7}  ttft per turn (ms)")
+    print(f"{'mode':<14} {'rep':>3} {'secs':>7} {'prefill s':>9} {'prompt tok':>10} {'copied':>7}  "
+          "prefill per request, turn by turn (ms)")
     replies: dict[int, list[list[int]]] = {}
     for rep in range(args.reps):
         for size in (0, args.prefix_cache_tokens):
             engine = BatchEngine(target, None, max_batch_size=args.concurrency, prefix_tokens=size)
-            got, secs, ttft = converse(engine, chats, follow_ups, args.turns, args.new_tokens, args.concurrency)
+            got, secs, prefill = converse(engine, chats, follow_ups, args.turns, args.new_tokens, args.concurrency)
             if replies.setdefault(rep, got) != got:
                 raise SystemExit("the replies with the store differ from those without it")
             s = engine.stats
             mode = f"store {size}" if size else "store off"
             print(f"{mode:<14} {rep:>3} {secs:7.2f} {s.prefill_seconds:9.2f} {s.prompt_tokens:10d} "
                   f"{s.prefix_hit_tokens / max(1, s.prompt_tokens):7.1%}  "
-                  + " / ".join(f"{1e3 * t:.0f}" for t in ttft))
+                  + " / ".join(f"{1e3 * t:.0f}" for t in prefill))
     print("replies equal with and without the store")
 
 
