@@ -18,11 +18,11 @@ from its own earlier answer. Every spec-on output is checked equal to its spec-o
 Reported per level, mode and repetition: tokens/s over the wall time, the engine's rounds and
 where their time went (prefill, target passes, drafting, the rest: ``BatchEngine.stats``), τ
 over the drafting rows and the share of row-rounds that drafted, the prompt tokens copied from
-kept prefixes; then spec on / off per
-repetition. ``--prefix-cache-tokens`` N > 0 serves with ``serve.prefix_cache_tokens`` N, the store
-emptied before each mode, so that either mode copies only what earlier prompts of its own left
-(default 0: off; the serve stage's default keeps 4,096 tokens). Against ``bench/serve.py`` this leaves out the HTTP server, the replica's event
-loop and its streaming: a gap between the two is theirs. Nothing is asserted about time.
+kept prefixes; then spec on / off per repetition. ``--prefix-cache-tokens`` N > 0 serves with
+``serve.prefix_cache_tokens`` N, the store emptied before each mode, so that either mode copies
+only what earlier prompts of its own left (default 0: off; the serve stage's default keeps 4,096
+tokens). Against ``bench/serve.py`` this leaves out the HTTP server, the replica's event loop and
+its streaming: a gap between the two is theirs. Nothing is asserted about time.
 """
 
 from __future__ import annotations

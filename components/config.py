@@ -357,10 +357,8 @@ class ServeConfig:
     # stalling the running rows while it lasts); 0: torch_threads, as every other pass
     prefill_threads: int = 0
     max_ongoing_requests: int = 8  # rows in a replica's running batch (continuous batching)
-    # prompt prefixes' keys and values kept for later prompts that start alike (a system prompt, a
-    # conversation's earlier turns), in blocks of 16 tokens, least recently used out first; the
-    # fast step only (its slab); 0: off
-    prefix_cache_tokens: int = 4096
+    # prompts' keys and values kept, in LRU blocks of 16 tokens, for later prompts that start alike
+    prefix_cache_tokens: int = 4096  # (a system prompt, earlier turns); the fast step only; 0: off
     max_queued_requests: int = 32  # requests waiting per replica; beyond them: overload_status
     # a stream's chunks at most this often (the first at once; the rounds between merged into one
     # chunk): each chunk costs the serving side CPU that the target's passes share; 0: every round
@@ -397,10 +395,9 @@ class ServeConfig:
         problems = [f"{key} must be at least {low} (got {getattr(self, key)})" for key, low in (
             ("port", 1), ("num_replicas", 1), ("min_replicas", 0), ("max_ongoing_requests", 1),
             ("max_queued_requests", 0), ("retry_after_s", 0), ("max_body_bytes", 1),
-            ("tree_budget", 0), ("torch_threads", 0), ("prefill_threads", 0), ("stream_interval_ms", 0),
-            ("prefix_cache_tokens", 0))
+            ("tree_budget", 0), ("torch_threads", 0), ("prefill_threads", 0), ("stream_interval_ms", 0))
             if getattr(self, key) < low]
-        if 0 < self.prefix_cache_tokens < 16:
+        if self.prefix_cache_tokens != 0 and self.prefix_cache_tokens < 16:  # negative too
             problems.append(f"prefix_cache_tokens must be 0 (off) or at least one block of 16 tokens "
                             f"(got {self.prefix_cache_tokens})")
         if self.drafter not in SERVED_DRAFTERS:

@@ -278,10 +278,11 @@ class SuffixDrafter:
         """The candidate's tokens if it is proposed (a match scoring ≥ ``min_score``), else none."""
         return best.tokens if best.tokens and best.score >= self.min_score else []
 
-    def candidate(self, state: SuffixState, last_token: Tensor | int, gamma: int, ahead: Sequence[int] = ()) -> Candidate:
-        """The best candidate of at most ``gamma`` tokens after ``last_token`` [1] (or its id) (``speculate``
-        over the committed tail that fits a match), before ``min_score`` is applied; ``ahead``:
-        ids committed after the state's, not consumed yet (``preview``)."""
+    def candidate(self, state: SuffixState, last_token: Tensor | int, gamma: int,
+                  ahead: Sequence[int] = ()) -> Candidate:
+        """The best candidate of at most ``gamma`` tokens after ``last_token`` ([1], or its id;
+        ``speculate`` over the committed tail that fits a match), before ``min_score`` is applied;
+        ``ahead``: ids committed after the state's, not consumed yet (``preview``)."""
         tree = self._tree(state, ahead)
         end = state.length + len(ahead)
         last = last_token if isinstance(last_token, int) else int(last_token[0])

@@ -101,7 +101,7 @@ class StepTarget(Target):
         self.block_source = target.block_source
         self.decoder = StaticDecoder(target.model, self.check_layer_ids(taps), capacity, gemm, kernels)
         self.taps = self.decoder.taps
-        self._picks: dict[tuple[int, ...], list[int]] = {}  # layer ids asked for -> their places among taps
+        self._picks: dict[tuple[int, ...], list[int] | slice] = {}  # layer ids asked for -> their places among taps
         self.capacity = capacity
         packed = getattr(gemm, "packed", {})
         self.weight_formats = tuple(sorted(f for f in packed if f != "f32")) or ("f32",)
@@ -172,11 +172,12 @@ class StepTarget(Target):
     def _pick(self, taps: Tensor, layer_ids: Sequence[int]) -> Tensor | None:  # [..., n, H] -> [..., len(ids), H]
         key = tuple(layer_ids)
         pick = self._picks.get(key)
-        if pick is None:  # checked and looked up once per set of ids
-            pick = self._picks[key] = [self.taps.index(i) for i in self.check_layer_ids(layer_ids)]
-        if not pick:
-            return None
-        return taps if pick == list(range(taps.shape[-2])) else taps[..., pick, :]
+        if pick is None:  # checked and looked up once per set of ids; every tap in order: all of them
+            found = [self.taps.index(i) for i in self.check_layer_ids(layer_ids)]
+            pick = self._picks[key] = slice(None) if found and found == list(range(len(self.taps))) else found
+        if isinstance(pick, slice):
+            return taps
+        return taps[..., pick, :] if pick else None
 
     def _forward_slots(self, input_ids: Tensor, cache: SlotCache, layer_ids: Sequence[int]) -> TargetOutput:
         """ids [B, W]: row b's new tokens at slots lengths[b].. of slab row rows[b] → logits
