@@ -60,7 +60,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prefix-cache-tokens", type=int, default=0,
                     help="serve.prefix_cache_tokens (emptied before each mode; 0: off)")
-    ap.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16"],
+    ap.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16", "int8"],
                     help="target.step_precision (bfloat16: the fast step's Q4_1 products on bfloat16 inputs)")
     args = ap.parse_args()
     if args.method != "suffix" and not args.drafter:

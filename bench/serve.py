@@ -89,7 +89,7 @@ def parse_args() -> argparse.Namespace:
                     help="serve.prefill_threads: the fast step's threads in prompt passes (0: --threads)")
     ap.add_argument("--target-step", default="auto", choices=["auto", "fast", "hf"],
                     help="target.step of the replica (auto/fast: its linears through the kernel)")
-    ap.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16"],
+    ap.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16", "int8"],
                     help="target.step_precision of the replica (bfloat16: the fast step's Q4_1 products on bfloat16 inputs)")
     ap.add_argument("--stream-interval-ms", type=float, default=None,
                     help="serve.stream_interval_ms: at most one chunk per interval per stream (0: every round; "

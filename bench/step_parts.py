@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--reps", type=int, default=41)
     p.add_argument("--cache-dir", default=str(Path("~/.cache/specline/targets").expanduser()))
-    p.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16", "int8"],
                    help="target.step_precision (bfloat16: the Q4_1 products on bfloat16 inputs)")
     return p.parse_args(argv)
 

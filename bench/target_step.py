@@ -4,7 +4,8 @@ step (``fast``: static slab + our weight-streaming kernel) reading float32 panel
 (``target.step_weights: float32``) and reading the checkpoint's own Q4_1 / Q8_0 blocks
 (``auto``; and through the kernel built for each other instruction set the CPU runs, e.g. AVX-512
 and AVX2 beside AMX, and with the AVX-512 build's other Q4_1 decoding and, where the CPU declares
-AVX-512 BF16, its products of bfloat16 inputs: ``target.step_precision: bfloat16``), beside the floor measured in the same run: the seconds a pass needs to read every
+AVX-512 BF16 or VNNI, its products of bfloat16 or 8-bit integer inputs: ``target.step_precision:
+bfloat16`` / ``int8``), beside the floor measured in the same run: the seconds a pass needs to read every
 weight once, taken from a sum over a tensor of the bytes each reads (the bandwidth one pass can
 use at that thread count).
 
@@ -39,6 +40,8 @@ from components.engine.core import crop_cache
 from components.target import load_target
 from components.target.fast import StepTarget, kernel_gemm, step_target
 from components.target.kernels import Q41_DECODES, RowsGemm, isas, precisions, q41_decode
+
+PRECISION_TAGS = {"bfloat16": "bf16", "int8": "int8"}  # the variants' labels
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,8 +131,7 @@ def _steps(hf: Any, cfg: TargetConfig) -> tuple[dict[str, StepTarget], RowsGemm,
     variants = [(isa, isa, q41_decode(isa), "float32") for isa in isas() if isa != best.isa]  # each its own decoding
     if best.isa == "avx512":
         variants = [(f"{best.isa} {q41}", best.isa, q41, "float32") for q41 in Q41_DECODES if q41 != best.q41] + variants
-    if "bfloat16" in precisions():
-        variants.append(("avx512 bf16", "avx512", None, "bfloat16"))
+    variants += [(f"avx512 {PRECISION_TAGS[p]}", "avx512", None, p) for p in precisions() if p != "float32"]
     for label, isa, q41, precision in variants:
         kernel = RowsGemm.build(Path(cfg.cache_dir) / "kernels", isa, q41, precision)
         steps[f"blocks {label}"] = StepTarget(hf, (), cfg.static_len, kernel_gemm(hf, cfg, kernel), kernel)

@@ -38,6 +38,7 @@ from components.target.blocks import BLOCK, BlockIndex, quantize_q8_0
 from components.target.draft_layers import KernelLayers
 from components.target.hf import Target, TargetError, TargetOutput
 from components.target.kernels import (
+    PRECISION_FORMATS,
     PRECISIONS,
     KernelUnavailable,
     PackedWeight,
@@ -78,7 +79,7 @@ class KernelGemm:
         """What ``prepare`` packed, e.g. 'weights: 61 as q4_1 blocks, 1 as q8_0 blocks'."""
         if set(self.packed) <= {"f32"}:
             return "weights: float32 panels"
-        inputs = {"q4_1": f" (inputs in {self.kernel.precision})"} if self.kernel.precision != "float32" else {}
+        inputs = {f: f" (inputs in {self.kernel.precision})" for f in PRECISION_FORMATS[self.kernel.precision]}
         return "weights: " + ", ".join(f"{n} as {f} blocks{inputs.get(f, '')}" if f != "f32" else f"{n} as float32 panels"
                                       for f, n in sorted(self.packed.items()))
 
@@ -105,9 +106,10 @@ class StepTarget(Target):
         self.capacity = capacity
         packed = getattr(gemm, "packed", {})
         self.weight_formats = tuple(sorted(f for f in packed if f != "f32")) or ("f32",)
-        # the Q4_1 products' precision (kernels.PRECISIONS): not float32, every pass must take this
-        # step, since the transformers forward computes in float32 (``forward``)
+        # the block products' precision (kernels.PRECISIONS): where it changes a product this step
+        # runs, every pass must take this step, since the transformers forward computes in float32
         self.precision = getattr(kernels, "precision", "float32")
+        self._own_arithmetic = bool(set(PRECISION_FORMATS[self.precision]) & set(self.weight_formats))
 
     def new_cache(self) -> StaticCache:
         return StaticCache(*self.decoder.new_slab(1))
@@ -216,7 +218,7 @@ class StepTarget(Target):
             out = self._forward_slots(input_ids, cache, layer_ids)
             return dataclasses.replace(out, logits=out.logits[:, -1:]) if last_logits else out
         if not self.serves(input_ids, attention_mask, layer_ids, cache, position_ids):
-            if self.precision != "float32" and "q4_1" in self.weight_formats:
+            if self._own_arithmetic:
                 raise TargetError(f"target.step_precision: {self.precision}: a pass the fast step does not run (a padded "
                                   "batch, position ids, an HF cache or taps it was not built with) would compute in "
                                   "float32 and differ from the target's own output; set target.step_precision: float32")
@@ -277,7 +279,7 @@ def wanted_kernel(target: Target, cfg: TargetConfig) -> tuple[RowsGemm | None, s
     if cfg.step_precision != "float32" and (cfg.step_weights == "float32" or target.block_source is None):
         none = "target.step_weights: float32" if cfg.step_weights == "float32" else \
             f"{target.name_or_path} stores its weights unquantized"
-        raise TargetError(f"target.step_precision: {cfg.step_precision} acts on the checkpoint's Q4_1 blocks, and this "
+        raise TargetError(f"target.step_precision: {cfg.step_precision} acts on the checkpoint's blocks, and this "
                           f"step reads none ({none}); set target.step_precision: float32")
     try:
         return rows_gemm(Path(cfg.cache_dir) / "kernels", cfg.step_precision), ""

@@ -24,7 +24,10 @@
   through bfloat16 tiles (three pieces of each input, the blocks' integers);
 * ``rows_gemm_bf16.c`` -- the Q4_1 products with their inputs rounded to bfloat16, on the dot
   product unit of CPUs with AVX-512 BF16 (``precision`` "bfloat16": the AVX-512 build with these
-  in place of its Q4_1 products): half the instructions a weight, and no longer float32's output.
+  in place of its Q4_1 products): half the instructions a weight, and no longer float32's output;
+* ``rows_gemm_int8.c`` -- the Q4_1 products with their inputs quantized to 8-bit integers per 32,
+  on the integer dot product unit of CPUs with AVX-512 VNNI (``precision`` "int8": likewise):
+  a quarter of the instructions a weight, and no longer float32's output.
 
 ``RowsGemm.build(dir, isa)`` compiles the source into ``dir`` once (keyed by the instruction set
 and a hash of the source and flags; written under a temporary name and renamed, so an interrupted build leaves nothing) and
@@ -53,7 +56,7 @@ from torch import Tensor
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("rows_gemm.c", "rows_gemm_blocks.c", "rows_gemm_512.c", "rows_gemm_amx.c",
-                                         "rows_gemm_bf16.c", "layer.c"))
+                                         "rows_gemm_bf16.c", "rows_gemm_int8.c", "layer.c"))
 HEADERS = (HERE / "vexp.h",)  # included by the sources (and by kernels elsewhere: -I this directory)
 ATTEND_CHUNK = 256  # layer.c: keys a query's attention reads per unit of work (longer contexts are merged)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", f"-DATTEND_CHUNK={ATTEND_CHUNK}")
@@ -65,9 +68,14 @@ ISA_FLAGS = {"avx2": (), "avx512": AVX512_FLAGS,
              "amx": (*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-DROWS_GEMM_AMX")}
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # what /proc/cpuinfo declares where the "amx" build runs
 # what a step's Q4_1 products compute in: float32 (the arithmetic of the float32 model, every
-# build) or bfloat16 inputs (rows_gemm_bf16.c: the AVX-512 build, where the CPU declares BF16)
-PRECISIONS = {"float32": (), "bfloat16": ("-mavx512bf16", "-DROWS_GEMM_BF16")}
-BF16_FLAGS = ("avx512_bf16",)  # what /proc/cpuinfo declares where the "bfloat16" build runs
+# build), bfloat16 inputs (rows_gemm_bf16.c) or 8-bit integer inputs (rows_gemm_int8.c): the
+# AVX-512 build, where the CPU declares the instructions (PRECISION_CPU_FLAGS)
+PRECISIONS = {"float32": (), "bfloat16": ("-mavx512bf16", "-DROWS_GEMM_BF16"),
+              "int8": ("-mavx512vnni", "-mavx512vbmi", "-DROWS_GEMM_INT8")}
+# the block formats whose products each precision computes otherwise than float32 (the rest stay)
+PRECISION_FORMATS = {"float32": (), "bfloat16": ("q4_1",), "int8": ("q4_1", "q8_0")}
+# what /proc/cpuinfo declares where each precision's build runs (besides the AVX-512 build)
+PRECISION_CPU_FLAGS = {"float32": (), "bfloat16": ("avx512_bf16",), "int8": ("avx512_vnni", "avx512vbmi")}
 # AVX-512 only: how a Q4_1 weight becomes a float (rows_gemm_512.c): "permute" (a lookup in a table of
 # 0..15: fewer instructions, measured faster on an Intel Xeon, docs/results.md) or "convert" (mask
 # and convert, what the AMD EPYC host was tuned with); by the CPU's declared vendor (q41_decode)
@@ -95,9 +103,11 @@ def isas() -> tuple[str, ...]:
 
 def precisions() -> tuple[str, ...]:
     """The precisions the kernel can be built for on this CPU (``PRECISIONS``), as declared:
-    float32 everywhere; bfloat16 where the CPU offers the AVX-512 build and declares AVX-512 BF16."""
-    bf16 = "avx512" in isas() and set(BF16_FLAGS) <= set((cpuinfo("flags") or "").split())
-    return ("float32", "bfloat16") if bf16 else ("float32",)
+    float32 everywhere; the others where the CPU offers the AVX-512 build and declares their
+    instructions (``PRECISION_CPU_FLAGS``: AVX-512 BF16, AVX-512 VNNI)."""
+    flags = set((cpuinfo("flags") or "").split())
+    return tuple(p for p, needs in PRECISION_CPU_FLAGS.items()
+                 if p == "float32" or ("avx512" in isas() and set(needs) <= flags))
 
 
 def cpuinfo(field: str) -> str | None:
@@ -198,7 +208,7 @@ class RowsGemm:
         self.path, self.isa, self.q41 = path, isa, q41  # q41: its Q4_1 decoding (Q41_DECODES)
         self.precision = precision  # PRECISIONS
         # the block records' layout it reads (blocks.pack_panels)
-        self.nibbles = "amx" if precision == "bfloat16" else {"avx512": "words", "amx": "amx"}.get(isa, "rows")
+        self.nibbles = "amx" if precision != "float32" else {"avx512": "words", "amx": "amx"}.get(isa, "rows")
         gemm_args = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._fn, self._packed, self._pack = lib.rows_gemm, lib.rows_gemm_packed, lib.rows_gemm_pack
         self._fn.argtypes = self._packed.argtypes = gemm_args
@@ -236,23 +246,26 @@ class RowsGemm:
         """Compiled for ``isa`` (default: the best this CPU declares, ``isas()``; AVX-512 where the
         "amx" build cannot be built or the OS refuses the tiles) into ``directory``; ``q41``: the
         AVX-512 build's Q4_1 decoding (``Q41_DECODES``; default ``q41_decode(isa)``);
-        ``precision`` (``PRECISIONS``): "bfloat16" is the AVX-512 build with rows_gemm_bf16.c's
-        Q4_1 products, where the CPU declares AVX-512 BF16."""
+        ``precision`` (``PRECISIONS``): "bfloat16" / "int8" are the AVX-512 build with
+        rows_gemm_bf16.c's / rows_gemm_int8.c's Q4_1 products, where the CPU declares AVX-512 BF16 /
+        VNNI."""
         why = why_unavailable()
         if why:
             raise KernelUnavailable(why)
         if precision not in PRECISIONS:
             raise ValueError(f"rows_gemm: precision {precision!r} is not one of {list(PRECISIONS)}")
-        if precision == "bfloat16":
+        if precision != "float32":
+            needs = ", ".join(PRECISION_CPU_FLAGS[precision])
             if isa not in (None, "avx512") or precision not in precisions():
-                raise KernelUnavailable(f"bfloat16 products need the AVX-512 build on a CPU declaring AVX-512 BF16 "
-                                        f"(avx512_bf16); the CPU offers {torch.backends.cpu.get_cpu_capability()}"
+                raise KernelUnavailable(f"{precision} products need the AVX-512 build on a CPU declaring {needs}; "
+                                        f"the CPU offers {torch.backends.cpu.get_cpu_capability()}"
                                         + (f", asked for {isa}" if isa else ""))
             q41 = q41 or "convert"
             if q41 != "convert":
-                raise ValueError("rows_gemm: the bfloat16 build has one Q4_1 decoding (convert)")
+                raise ValueError(f"rows_gemm: the {precision} build has one Q4_1 decoding (convert)")
             flags = FLAGS + ISA_FLAGS["avx512"] + PRECISIONS[precision]
-            path = build_library(directory, "rows_gemm-avx512-bf16", SOURCES, flags)
+            tag = {"bfloat16": "bf16"}.get(precision, precision)
+            path = build_library(directory, f"rows_gemm-avx512-{tag}", SOURCES, flags)
             return cls(ctypes.CDLL(str(path)), path, "avx512", q41, precision)
         if isa is None and isas()[0] == "amx":  # AMX's tiles where the OS and the compiler allow them
             try:

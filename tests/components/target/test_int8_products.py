@@ -1,0 +1,111 @@
+"""The block products of 8-bit integer inputs (``kernels/rows_gemm_int8.c``, ``target.step_precision:
+int8``): each record of 32 inputs quantized to integers by its largest, exact integer sums with the
+checkpoint's exact weights (Q4_1 and Q8_0), every row's bits its own whatever the pass's row count,
+and a step built on them whose speculative output is its own plain output token for token."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from components.engine import (
+    BatchEngine,
+    Request,
+    SpeculativeEngine,
+    SuffixDrafter,
+    target_only_generate,
+)
+from components.target import kernels
+from components.target.blocks import Blocks
+from components.target.fast import StepTarget, step_target
+from components.target.hf import TargetError
+from components.target.kernels import precisions, rows_gemm, why_unavailable
+from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
+from tests.components.target.test_bf16_products import random_q41
+from tests.components.target.test_blocks import stored_target  # noqa: F401 (a fixture)
+
+DECLARED = why_unavailable() is None and "int8" in precisions()
+needs_int8 = pytest.mark.skipif(not DECLARED, reason="the CPU does not declare AVX-512 VNNI and VBMI")
+
+
+def quantized(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies for float32 rows ``x`` [M, K]: per record of 32, the integers
+    round(x * 127 / max |x|) (ties to even, in float32) times the record's step max |x| / 127."""
+    records = x.view(x.shape[0], -1, 32)
+    amax = records.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    a = torch.round(records * inv).clamp(-127, 127)
+    return (a.double() * (amax / 127).double()).view_as(x)
+
+
+def random_q80(n: int, k: int, gen: torch.Generator) -> Blocks:
+    d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 0.002).half().float()
+    return Blocks("q8_0", torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), d, None)
+
+
+@needs_int8
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_products_are_exact_integer_sums_of_inputs_quantized_per_record(tmp_path, fmt):
+    gen = torch.Generator().manual_seed(0)
+    int8 = rows_gemm(tmp_path, "int8")  # built once per process (the step below takes it too)
+    f32 = rows_gemm(tmp_path)
+    assert int8.precision == "int8" and int8.nibbles == "amx" and "int8" in int8.path.name
+    blocks = (random_q41 if fmt == "q4_1" else random_q80)(200, 96, gen)  # a partial last panel, three records
+    w = blocks.dequantize()
+    packed = int8.pack_blocks(blocks, w)
+    x = torch.randn(11, 96, generator=gen) * torch.logspace(-3, 2, 96)  # inputs of many magnitudes
+    x[3, 32:64] = 0  # a record of zeros: step 0
+    y = int8.linear(x, packed)
+    xq = quantized(x)
+    scale = xq.abs() @ w.double().abs().T
+    assert ((y.double() - xq @ w.double().T).abs() / scale).max() < 1e-6  # float32's rounding of exact sums, no more
+    steps = (x.view(11, 3, 32).abs().amax(-1) / 127).double()  # [M, G]: a record's inputs move by half a step at most
+    bound = 0.5 * steps @ w.double().abs().view(200, 3, 32).sum(-1).T
+    assert ((y.double() - x.double() @ w.double().T).abs() <= bound * 1.001 + 1e-6 * scale).all()
+    assert not torch.equal(y, f32.linear(x, f32.pack_blocks(blocks, w)))  # the inputs really are quantized
+    for rows in range(1, 11):  # every row's bits, whatever the pass's row count (blocks of up to 8 rows)
+        assert torch.equal(int8.linear(x[:rows], packed), y[:rows]), rows
+        assert torch.equal(int8.linear(x[rows:rows + 1], packed), y[rows:rows + 1]), rows
+
+
+@needs_int8
+def test_an_int8_step_is_lossless_against_its_own_plain_decoding(tiny_target_cfg, stored_target, tmp_path):  # noqa: F811
+    cfg = dataclasses.replace(tiny_target_cfg, step="fast", static_len=256, cache_dir=str(tmp_path),
+                              step_precision="int8")
+    lines: list[str] = []
+    drafter = random_drafter(stored_target, "dspark")
+    fast = step_target(stored_target, cfg, taps=tuple(drafter.layer_ids), lines=lines.append)
+    assert isinstance(fast, StepTarget) and fast.precision == "int8"
+    assert "q4_1 blocks (inputs in int8)" in lines[0] and "int8" in fast.forward_kind
+    f32 = step_target(stored_target, dataclasses.replace(cfg, step_precision="float32"))
+    ids = torch.tensor([prompts(stored_target)[0] * 8], dtype=torch.long)[:, :40]
+    got, want = fast.forward(ids, use_cache=True).logits, f32.forward(ids, use_cache=True).logits
+    assert not torch.equal(got, want)  # not float32's output, but near it
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * want.abs().max().item())
+    suffix = SuffixDrafter(stored_target.vocab_size, 8)
+    for prompt in [*prompts(stored_target), prompts(stored_target)[2] * 3]:
+        plain = target_only_generate(fast, prompt, MAX_NEW).tokens
+        for d in (drafter, suffix):
+            engine = SpeculativeEngine(fast, d, rule="greedy", num_speculative_tokens=4)
+            assert engine.generate(prompt, MAX_NEW).tokens == plain
+    batch = BatchEngine(fast, drafter, num_speculative_tokens=3, max_batch_size=3)
+    want_all = [target_only_generate(fast, p, MAX_NEW).tokens for p in prompts(stored_target)]
+    got_all = batch.generate([Request(p, MAX_NEW, request_id=str(i)) for i, p in enumerate(prompts(stored_target))])
+    assert [r.tokens for r in got_all] == want_all
+    with pytest.raises(TargetError, match="would compute in float32"):  # what only the transformers forward runs
+        fast.forward(ids[:, :4], attention_mask=torch.ones(1, 4, dtype=torch.long))
+
+
+def test_int8_is_declared_by_the_cpus_flags(monkeypatch, tmp_path):
+    """A CPU that does not declare VNNI (or VBMI) gets no int8 build: said, never tried."""
+    if why_unavailable() is not None or "avx512" not in kernels.isas():
+        pytest.skip("no AVX-512 build here")
+    flags = (kernels.cpuinfo("flags") or "").split()
+    monkeypatch.setattr(kernels, "cpuinfo", lambda field: " ".join(f for f in flags if f != "avx512_vnni")
+                        if field == "flags" else None)
+    assert "int8" not in precisions()
+    with pytest.raises(kernels.KernelUnavailable, match="int8 products need the AVX-512 build on a CPU declaring "
+                                                        "avx512_vnni, avx512vbmi"):
+        kernels.RowsGemm.build(tmp_path, precision="int8")
