@@ -3,7 +3,7 @@ prompts, without HTTP, Ray or the replica's threads around it.
 
     python bench/closed_loop.py [--method suffix|hybrid|model] [--drafter DIR] [--rollouts DATA_DIR]
                                 [--concurrency 1,8] [--requests N] [--new-tokens 64] [--threads 2] [--reps 2]
-                                [--step-precision float32|bfloat16] [--prefix-cache-tokens N]
+                                [--step-precision float32|bfloat16|int8|int16] [--prefix-cache-tokens N]
 
 Builds the engine as a replica builds it (``serving.assemble.build_parts`` and ``adapt``: the
 served drafter, its adaptive cap and its round profile, measured once per host and cached), then
@@ -60,8 +60,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prefix-cache-tokens", type=int, default=0,
                     help="serve.prefix_cache_tokens (emptied before each mode; 0: off)")
-    ap.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16", "int8"],
-                    help="target.step_precision (bfloat16: the fast step's Q4_1 products on bfloat16 inputs)")
+    ap.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16", "int8", "int16"],
+                    help="target.step_precision (the fast step's block products on bfloat16 or integer inputs)")
     args = ap.parse_args()
     if args.method != "suffix" and not args.drafter:
         ap.error(f"--method {args.method} needs --drafter (a checkpoint directory)")

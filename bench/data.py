@@ -11,9 +11,10 @@ Same prompts, same run, same threads (``data.torch_threads``), greedy unless con
   last layer, encoded to storage);
 - ``data_stage[fast]``: the same on the fast target step (``target.step``; a continuous batch of
   ``data.batch_size`` rows over a static KV slab, hidden states captured in the same passes);
-- ``data_stage[fast bf16]`` (``--bf16``) / ``data_stage[fast int8]`` (``--int8``): the fast step
-  with ``target.step_precision: bfloat16`` (its Q4_1 products on bfloat16 inputs; CPUs with
-  AVX-512 BF16) / ``int8`` (its block products on 8-bit integer inputs; AVX-512 VNNI);
+- ``data_stage[fast bf16]`` (``--bf16``) / ``[fast int8]`` (``--int8``) / ``[fast int16]``
+  (``--int16``): the fast step with ``target.step_precision: bfloat16`` (its Q4_1 products on
+  bfloat16 inputs; CPUs with AVX-512 BF16) / ``int8`` / ``int16`` (its block products on 8- or
+  16-bit integer inputs; AVX-512 VNNI);
 - ``--ray``: also the whole shards path under Ray Data (actor start-up, writes, manifest).
 
 Prints tokens/s (generated tokens) of each, their ratio to hf_generate, the time spent capturing
@@ -64,6 +65,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--ray", action="store_true", help="also time the shards path under Ray Data")
     ap.add_argument("--bf16", action="store_true", help="also the fast step with target.step_precision: bfloat16")
     ap.add_argument("--int8", action="store_true", help="also the fast step with target.step_precision: int8")
+    ap.add_argument("--int16", action="store_true", help="also the fast step with target.step_precision: int16")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_cli(overrides)
     info = describe_target(cfg)
@@ -76,7 +78,7 @@ def main(argv: list[str]) -> None:
         rollers["data_stage[fast]"] = fast
     else:
         print(f"data_stage[fast]: not run ({fast.why_not_fast})")
-    for tag, precision in (("bf16", "bfloat16"), ("int8", "int8")):
+    for tag, precision in (("bf16", "bfloat16"), ("int8", "int8"), ("int16", "int16")):
         if getattr(args, tag):
             rollers[f"data_stage[fast {tag}]"] = Roller(dataclasses.replace(info.target_cfg, step_precision=precision),
                                                        cfg.data, meta)

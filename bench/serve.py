@@ -4,7 +4,7 @@ concurrency levels over HTTP on loopback, speculation on and off in one run.
     python bench/serve.py --drafter DIR [--method auto|suffix|hybrid] [--target embedded|DIR] [--concurrency 1,8,32]
                           [--requests N] [--new-tokens 64] [--threads 1] [--prefill-threads 0] [--no-adaptive]
                           [--loop-stages S] [--rollouts DATA_DIR]
-                          [--target-step auto|fast|hf] [--step-precision float32|bfloat16] [--stream-interval-ms MS]
+                          [--target-step auto|fast|hf] [--step-precision float32|bfloat16|int8|int16] [--stream-interval-ms MS]
                           [--prefix-cache-tokens N]
     python bench/serve.py --url http://127.0.0.1:8000 --model NAME [--tokenizer DIR]   # any OpenAI server
 
@@ -89,8 +89,8 @@ def parse_args() -> argparse.Namespace:
                     help="serve.prefill_threads: the fast step's threads in prompt passes (0: --threads)")
     ap.add_argument("--target-step", default="auto", choices=["auto", "fast", "hf"],
                     help="target.step of the replica (auto/fast: its linears through the kernel)")
-    ap.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16", "int8"],
-                    help="target.step_precision of the replica (bfloat16: the fast step's Q4_1 products on bfloat16 inputs)")
+    ap.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16", "int8", "int16"],
+                    help="target.step_precision of the replica (the fast step's block products on bfloat16 or integer inputs)")
     ap.add_argument("--stream-interval-ms", type=float, default=None,
                     help="serve.stream_interval_ms: at most one chunk per interval per stream (0: every round; "
                          "default: the config's)")

@@ -18,7 +18,7 @@ and for products the arithmetic (two FLOP a weight) at the kernel's vector FMA p
 ``--reps``, the parts interleaved so that load from other processes falls on all alike.
 
     python bench/step_parts.py [--threads 2 --context 256 --reps 41 --cache-dir DIR]
-                               [--step-precision float32|bfloat16]
+                               [--step-precision float32|bfloat16|int8|int16]
 
 Prints a markdown table. Nothing is asserted; the numbers describe this machine.
 """
@@ -68,8 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--reps", type=int, default=41)
     p.add_argument("--cache-dir", default=str(Path("~/.cache/specline/targets").expanduser()))
-    p.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16", "int8"],
-                   help="target.step_precision (bfloat16: the Q4_1 products on bfloat16 inputs)")
+    p.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16", "int8", "int16"],
+                   help="target.step_precision (the block products on bfloat16 or integer inputs)")
     return p.parse_args(argv)
 
 

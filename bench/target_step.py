@@ -41,7 +41,7 @@ from components.target import load_target
 from components.target.fast import StepTarget, kernel_gemm, step_target
 from components.target.kernels import Q41_DECODES, RowsGemm, isas, precisions, q41_decode
 
-PRECISION_TAGS = {"bfloat16": "bf16", "int8": "int8"}  # the variants' labels
+PRECISION_TAGS = {"bfloat16": "bf16", "int8": "int8", "int16": "int16"}  # the variants' labels
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

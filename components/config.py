@@ -65,9 +65,9 @@ class TargetConfig:
     step_weights: str = "auto"
     # What the fast step's block products compute in: float32 (the float32 model's arithmetic, to
     # its rounding); bfloat16 = Q4_1's inputs rounded to bfloat16, sums in float32 (AVX-512 BF16);
-    # int8 = Q4_1's and Q8_0's inputs as 8-bit integers per 32, exact integer sums (AVX-512 VNNI).
-    # Weights stay exact; fewer instructions a weight, faster verify passes, and an output that can
-    # differ from float32's (speculation stays lossless: the same step verifies). The rest: float32.
+    # int8 / int16 = Q4_1's and Q8_0's inputs as 8- / 16-bit integers per 32, exact integer sums
+    # (AVX-512 VNNI). Weights stay exact; fewer instructions a weight, faster verify passes, and an
+    # output that can differ from float32's (speculation stays lossless: the same step verifies).
     step_precision: str = "float32"
     # What the fast step reads of a drafter's own products (its layers, fusion and draft head;
     # the target's parts it shares are the target's): q8_0 = blocks of 32 int8 weights and a

@@ -25,9 +25,10 @@
 * ``rows_gemm_bf16.c`` -- the Q4_1 products with their inputs rounded to bfloat16, on the dot
   product unit of CPUs with AVX-512 BF16 (``precision`` "bfloat16": the AVX-512 build with these
   in place of its Q4_1 products): half the instructions a weight, and no longer float32's output;
-* ``rows_gemm_int8.c`` -- the Q4_1 products with their inputs quantized to 8-bit integers per 32,
-  on the integer dot product unit of CPUs with AVX-512 VNNI (``precision`` "int8": likewise):
-  a quarter of the instructions a weight, and no longer float32's output.
+* ``rows_gemm_int8.c`` -- the block products with their inputs quantized to 8-bit integers per
+  32, on the integer dot product unit of CPUs with AVX-512 VNNI (``precision`` "int8": likewise):
+  a quarter of the instructions a weight, and no longer float32's output; "int16": 16-bit
+  integers in two 8-bit parts, half the instructions, nearer float32's output.
 
 ``RowsGemm.build(dir, isa)`` compiles the source into ``dir`` once (keyed by the instruction set
 and a hash of the source and flags; written under a temporary name and renamed, so an interrupted build leaves nothing) and
@@ -68,14 +69,16 @@ ISA_FLAGS = {"avx2": (), "avx512": AVX512_FLAGS,
              "amx": (*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-DROWS_GEMM_AMX")}
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # what /proc/cpuinfo declares where the "amx" build runs
 # what a step's Q4_1 products compute in: float32 (the arithmetic of the float32 model, every
-# build), bfloat16 inputs (rows_gemm_bf16.c) or 8-bit integer inputs (rows_gemm_int8.c): the
-# AVX-512 build, where the CPU declares the instructions (PRECISION_CPU_FLAGS)
+# build), bfloat16 inputs (rows_gemm_bf16.c), 8-bit or 16-bit integer inputs (rows_gemm_int8.c):
+# the AVX-512 build, where the CPU declares the instructions (PRECISION_CPU_FLAGS)
 PRECISIONS = {"float32": (), "bfloat16": ("-mavx512bf16", "-DROWS_GEMM_BF16"),
-              "int8": ("-mavx512vnni", "-mavx512vbmi", "-DROWS_GEMM_INT8")}
+              "int8": ("-mavx512vnni", "-mavx512vbmi", "-DROWS_GEMM_INT8"),
+              "int16": ("-mavx512vnni", "-mavx512vbmi", "-DROWS_GEMM_INT16")}
 # the block formats whose products each precision computes otherwise than float32 (the rest stay)
-PRECISION_FORMATS = {"float32": (), "bfloat16": ("q4_1",), "int8": ("q4_1", "q8_0")}
+PRECISION_FORMATS = {"float32": (), "bfloat16": ("q4_1",), "int8": ("q4_1", "q8_0"), "int16": ("q4_1", "q8_0")}
 # what /proc/cpuinfo declares where each precision's build runs (besides the AVX-512 build)
-PRECISION_CPU_FLAGS = {"float32": (), "bfloat16": ("avx512_bf16",), "int8": ("avx512_vnni", "avx512vbmi")}
+PRECISION_CPU_FLAGS = {"float32": (), "bfloat16": ("avx512_bf16",), "int8": ("avx512_vnni", "avx512vbmi"),
+                       "int16": ("avx512_vnni", "avx512vbmi")}
 # AVX-512 only: how a Q4_1 weight becomes a float (rows_gemm_512.c): "permute" (a lookup in a table of
 # 0..15: fewer instructions, measured faster on an Intel Xeon, docs/results.md) or "convert" (mask
 # and convert, what the AMD EPYC host was tuned with); by the CPU's declared vendor (q41_decode)
@@ -246,8 +249,8 @@ class RowsGemm:
         """Compiled for ``isa`` (default: the best this CPU declares, ``isas()``; AVX-512 where the
         "amx" build cannot be built or the OS refuses the tiles) into ``directory``; ``q41``: the
         AVX-512 build's Q4_1 decoding (``Q41_DECODES``; default ``q41_decode(isa)``);
-        ``precision`` (``PRECISIONS``): "bfloat16" / "int8" are the AVX-512 build with
-        rows_gemm_bf16.c's / rows_gemm_int8.c's Q4_1 products, where the CPU declares AVX-512 BF16 /
+        ``precision`` (``PRECISIONS``): "bfloat16" / "int8" / "int16" are the AVX-512 build with
+        rows_gemm_bf16.c's / rows_gemm_int8.c's block products, where the CPU declares AVX-512 BF16 /
         VNNI."""
         why = why_unavailable()
         if why:

@@ -151,10 +151,10 @@ static inline void put(float *y, int64_t cols, __m512 v) {
 GEMM(f32, rows_gemm_packed, K * NR * 4)
 #ifdef ROWS_GEMM_AMX /* a few rows on rows_gemm_amx.c's layout; that file's rows_gemm_q41 takes more */
 GEMM(q41, rows_gemm_q41_vector, (K >> 5) * q41_BYTES)
-#elif !defined(ROWS_GEMM_BF16) && !defined(ROWS_GEMM_INT8) /* rows_gemm_bf16.c's or _int8.c's take their place there */
+#elif !defined(ROWS_GEMM_BF16) && !defined(ROWS_GEMM_INT8) && !defined(ROWS_GEMM_INT16) /* rows_gemm_bf16.c's or _int8.c's there */
 GEMM(q41, rows_gemm_q41, (K >> 5) * q41_BYTES)
 #endif
-#ifndef ROWS_GEMM_INT8 /* rows_gemm_int8.c's take its place there */
+#if !defined(ROWS_GEMM_INT8) && !defined(ROWS_GEMM_INT16) /* rows_gemm_int8.c's take its place there */
 GEMM(q80, rows_gemm_q80, (K >> 5) * q80_BYTES)
 #endif
 #endif

@@ -1,7 +1,8 @@
-"""The block products of 8-bit integer inputs (``kernels/rows_gemm_int8.c``, ``target.step_precision:
-int8``): each record of 32 inputs quantized to integers by its largest, exact integer sums with the
-checkpoint's exact weights (Q4_1 and Q8_0), every row's bits its own whatever the pass's row count,
-and a step built on them whose speculative output is its own plain output token for token."""
+"""The block products of integer inputs (``kernels/rows_gemm_int8.c``, ``target.step_precision:
+int8`` and ``int16``): each record of 32 inputs quantized to integers by its largest, exact integer
+sums with the checkpoint's exact weights (Q4_1 and Q8_0), every row's bits its own whatever the
+pass's row count, and a step built on them whose speculative output is its own plain output token
+for token."""
 
 from __future__ import annotations
 
@@ -28,16 +29,17 @@ from tests.components.target.test_blocks import stored_target  # noqa: F401 (a f
 
 DECLARED = why_unavailable() is None and "int8" in precisions()
 needs_int8 = pytest.mark.skipif(not DECLARED, reason="the CPU does not declare AVX-512 VNNI and VBMI")
+LIMITS = {"int8": 127, "int16": 127 * 257}  # the largest integer an input becomes
 
 
-def quantized(x: torch.Tensor) -> torch.Tensor:
+def quantized(x: torch.Tensor, limit: int) -> torch.Tensor:
     """What the kernel multiplies for float32 rows ``x`` [M, K]: per record of 32, the integers
-    round(x * 127 / max |x|) (ties to even, in float32) times the record's step max |x| / 127."""
+    round(x * limit / max |x|) (ties to even, in float32) times the record's step max |x| / limit."""
     records = x.view(x.shape[0], -1, 32)
     amax = records.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    a = torch.round(records * inv).clamp(-127, 127)
-    return (a.double() * (amax / 127).double()).view_as(x)
+    inv = torch.where(amax > 0, limit / amax, torch.zeros_like(amax))
+    a = torch.round(records * inv).clamp(-limit, limit)
+    return (a.double() * (amax / limit).double()).view_as(x)
 
 
 def random_q80(n: int, k: int, gen: torch.Generator) -> Blocks:
@@ -46,22 +48,23 @@ def random_q80(n: int, k: int, gen: torch.Generator) -> Blocks:
 
 
 @needs_int8
+@pytest.mark.parametrize("precision", list(LIMITS))
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_products_are_exact_integer_sums_of_inputs_quantized_per_record(tmp_path, fmt):
+def test_products_are_exact_integer_sums_of_inputs_quantized_per_record(tmp_path, fmt, precision):
     gen = torch.Generator().manual_seed(0)
-    int8 = rows_gemm(tmp_path, "int8")  # built once per process (the step below takes it too)
+    int8 = rows_gemm(tmp_path, precision)  # built once per process (the step below takes it too)
     f32 = rows_gemm(tmp_path)
-    assert int8.precision == "int8" and int8.nibbles == "amx" and "int8" in int8.path.name
+    assert int8.precision == precision and int8.nibbles == "amx" and precision in int8.path.name
     blocks = (random_q41 if fmt == "q4_1" else random_q80)(200, 96, gen)  # a partial last panel, three records
     w = blocks.dequantize()
     packed = int8.pack_blocks(blocks, w)
     x = torch.randn(11, 96, generator=gen) * torch.logspace(-3, 2, 96)  # inputs of many magnitudes
     x[3, 32:64] = 0  # a record of zeros: step 0
     y = int8.linear(x, packed)
-    xq = quantized(x)
+    xq = quantized(x, LIMITS[precision])
     scale = xq.abs() @ w.double().abs().T
     assert ((y.double() - xq @ w.double().T).abs() / scale).max() < 1e-6  # float32's rounding of exact sums, no more
-    steps = (x.view(11, 3, 32).abs().amax(-1) / 127).double()  # [M, G]: a record's inputs move by half a step at most
+    steps = (x.view(11, 3, 32).abs().amax(-1) / LIMITS[precision]).double()  # [M, G]: inputs move by half a step at most
     bound = 0.5 * steps @ w.double().abs().view(200, 3, 32).sum(-1).T
     assert ((y.double() - x.double() @ w.double().T).abs() <= bound * 1.001 + 1e-6 * scale).all()
     assert not torch.equal(y, f32.linear(x, f32.pack_blocks(blocks, w)))  # the inputs really are quantized
@@ -71,14 +74,16 @@ def test_products_are_exact_integer_sums_of_inputs_quantized_per_record(tmp_path
 
 
 @needs_int8
-def test_an_int8_step_is_lossless_against_its_own_plain_decoding(tiny_target_cfg, stored_target, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("precision", list(LIMITS))
+def test_an_integer_step_is_lossless_against_its_own_plain_decoding(tiny_target_cfg, stored_target, tmp_path,  # noqa: F811
+                                                                    precision):
     cfg = dataclasses.replace(tiny_target_cfg, step="fast", static_len=256, cache_dir=str(tmp_path),
-                              step_precision="int8")
+                              step_precision=precision)
     lines: list[str] = []
     drafter = random_drafter(stored_target, "dspark")
     fast = step_target(stored_target, cfg, taps=tuple(drafter.layer_ids), lines=lines.append)
-    assert isinstance(fast, StepTarget) and fast.precision == "int8"
-    assert "q4_1 blocks (inputs in int8)" in lines[0] and "int8" in fast.forward_kind
+    assert isinstance(fast, StepTarget) and fast.precision == precision
+    assert f"q4_1 blocks (inputs in {precision})" in lines[0] and precision in fast.forward_kind
     f32 = step_target(stored_target, dataclasses.replace(cfg, step_precision="float32"))
     ids = torch.tensor([prompts(stored_target)[0] * 8], dtype=torch.long)[:, :40]
     got, want = fast.forward(ids, use_cache=True).logits, f32.forward(ids, use_cache=True).logits
@@ -105,7 +110,8 @@ def test_int8_is_declared_by_the_cpus_flags(monkeypatch, tmp_path):
     flags = (kernels.cpuinfo("flags") or "").split()
     monkeypatch.setattr(kernels, "cpuinfo", lambda field: " ".join(f for f in flags if f != "avx512_vnni")
                         if field == "flags" else None)
-    assert "int8" not in precisions()
-    with pytest.raises(kernels.KernelUnavailable, match="int8 products need the AVX-512 build on a CPU declaring "
-                                                        "avx512_vnni, avx512vbmi"):
-        kernels.RowsGemm.build(tmp_path, precision="int8")
+    assert "int8" not in precisions() and "int16" not in precisions()
+    for precision in LIMITS:
+        with pytest.raises(kernels.KernelUnavailable, match=f"{precision} products need the AVX-512 build on a CPU "
+                                                            "declaring avx512_vnni, avx512vbmi"):
+            kernels.RowsGemm.build(tmp_path, precision=precision)
