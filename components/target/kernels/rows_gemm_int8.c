@@ -1,7 +1,7 @@
-/* The Q4_1 block products of rows_gemm_512.c with their inputs quantized to 8-bit integers per
- * block of 32, on the integer dot product unit of CPUs with AVX-512 VNNI (ROWS_GEMM_INT8,
- * target.step_precision: int8; built in place of rows_gemm_512.c's Q4_1 products, its float32
- * panels and Q8_0 products stay). The arithmetic of llama.cpp's Q4_1 x Q8_1 product.
+/* The Q4_1 and Q8_0 block products of rows_gemm_512.c with their inputs quantized to integers per
+ * block of 32, on the integer dot product unit of CPUs with AVX-512 VNNI and VBMI (ROWS_GEMM_INT8 /
+ * ROWS_GEMM_INT16, target.step_precision: int8 / int16; built in place of rows_gemm_512.c's block
+ * products, its float32 panels stay). int8 is the arithmetic of llama.cpp's Q4_1 x Q8_1 product.
  *
  * Why: a float32 product pays one FMA (16 multiply-adds a register) per weight and input row,
  * and on such a CPU those FMAs price every extra row of a verify pass (docs/results.md). One
@@ -9,12 +9,14 @@
  * instructions, and the 4-bit weights need no conversion to float.
  *
  * What it computes, row by row: each record g of 32 inputs x_k becomes a_k = round(x_k / e_g),
- * integers in -127..127 with e_g = max |x_k| / 127 (e_g = 0, a = 0 for a record of zeros). Then
- * y = sum over g of e_g * (d_g * sum_k q_k a_k + m_g * sum_k a_k), the sums of integers exact
+ * integers in -LIMIT..LIMIT with e_g = max |x_k| / LIMIT (e_g = 0, a = 0 for a record of zeros).
+ * Then y = sum over g of e_g * (d_g * sum_k q_k a_k + m_g * sum_k a_k), the sums of integers exact
  * (int32), d_g and m_g the record's float32 scales, the rest in float32. The weights stay the
- * checkpoint's own; the inputs keep about 7 bits of their record's largest, so the error is
- * about 2^-8 of sum |x w| at worst. Output is no longer float32's: a greedy continuation can
- * differ from one computed in float32.
+ * checkpoint's own; the inputs keep about 7 (int8: LIMIT 127) or 15 bits (ROWS_GEMM_INT16, "int16":
+ * LIMIT 32639, each a taken as two 8-bit parts, each part its own dot product) of their record's
+ * largest, so the error is about 2^-8 or 2^-16 of sum |x w| at worst. Output is no longer
+ * float32's: a greedy continuation can differ from one computed in float32 (with int16 rarely:
+ * docs/results.md).
  *
  * Every row's bits are its own: a row's integer sums are exact whatever the order, and its
  * float32 steps run in one order per row, whatever the pass's row count or its block of rows,
@@ -23,7 +25,8 @@
  * m[16], 8 lines of 32 bytes; byte 2n + t of line j holds weight row n's q of k = 4j + t in its
  * low nibble and of k = 4j + 2 + t in its high one). A line widened to 16 bits and its nibbles
  * split gives 32-bit lane n the bytes q of k = 4j, 4j + 2, 4j + 1, 4j + 3, so the inputs are
- * stored in that order. K must be a multiple of 32. Does not know the head (Q8_0) or attention.
+ * stored in that order. Q8_0 records are rows_gemm_512.c's. K must be a multiple of 32. Does not
+ * know attention or the float32 panels.
  */
 #if defined(ROWS_GEMM_INT8) || defined(ROWS_GEMM_INT16)
 #include <immintrin.h>
