@@ -68,7 +68,7 @@ AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DROWS_G
 ISA_FLAGS = {"avx2": (), "avx512": AVX512_FLAGS,
              "amx": (*AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-DROWS_GEMM_AMX")}
 AMX_FLAGS = ("amx_tile", "amx_bf16")  # what /proc/cpuinfo declares where the "amx" build runs
-# what a step's Q4_1 products compute in: float32 (the arithmetic of the float32 model, every
+# what a step's block products compute in: float32 (the arithmetic of the float32 model, every
 # build), bfloat16 inputs (rows_gemm_bf16.c), 8-bit or 16-bit integer inputs (rows_gemm_int8.c):
 # the AVX-512 build, where the CPU declares the instructions (PRECISION_CPU_FLAGS)
 PRECISIONS = {"float32": (), "bfloat16": ("-mavx512bf16", "-DROWS_GEMM_BF16"),

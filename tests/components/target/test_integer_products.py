@@ -1,31 +1,17 @@
 """The block products of integer inputs (``kernels/rows_gemm_int8.c``, ``target.step_precision:
 int8`` and ``int16``): each record of 32 inputs quantized to integers by its largest, exact integer
 sums with the checkpoint's exact weights (Q4_1 and Q8_0), every row's bits its own whatever the
-pass's row count, and a step built on them whose speculative output is its own plain output token
-for token."""
+pass's row count; only where the CPU declares them (the step built on them: ``test_step_precision.py``)."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
-from components.engine import (
-    BatchEngine,
-    Request,
-    SpeculativeEngine,
-    SuffixDrafter,
-    target_only_generate,
-)
 from components.target import kernels
 from components.target.blocks import Blocks
-from components.target.fast import StepTarget, step_target
-from components.target.hf import TargetError
 from components.target.kernels import precisions, rows_gemm, why_unavailable
-from tests.components.engine.test_engine_greedy import MAX_NEW, prompts, random_drafter
 from tests.components.target.test_bf16_products import random_q41
-from tests.components.target.test_blocks import stored_target  # noqa: F401 (a fixture)
 
 DECLARED = why_unavailable() is None and "int8" in precisions()
 needs_int8 = pytest.mark.skipif(not DECLARED, reason="the CPU does not declare AVX-512 VNNI and VBMI")
@@ -71,36 +57,6 @@ def test_products_are_exact_integer_sums_of_inputs_quantized_per_record(tmp_path
     for rows in range(1, 11):  # every row's bits, whatever the pass's row count (blocks of up to 8 rows)
         assert torch.equal(int8.linear(x[:rows], packed), y[:rows]), rows
         assert torch.equal(int8.linear(x[rows:rows + 1], packed), y[rows:rows + 1]), rows
-
-
-@needs_int8
-@pytest.mark.parametrize("precision", list(LIMITS))
-def test_an_integer_step_is_lossless_against_its_own_plain_decoding(tiny_target_cfg, stored_target, tmp_path,  # noqa: F811
-                                                                    precision):
-    cfg = dataclasses.replace(tiny_target_cfg, step="fast", static_len=256, cache_dir=str(tmp_path),
-                              step_precision=precision)
-    lines: list[str] = []
-    drafter = random_drafter(stored_target, "dspark")
-    fast = step_target(stored_target, cfg, taps=tuple(drafter.layer_ids), lines=lines.append)
-    assert isinstance(fast, StepTarget) and fast.precision == precision
-    assert f"q4_1 blocks (inputs in {precision})" in lines[0] and precision in fast.forward_kind
-    f32 = step_target(stored_target, dataclasses.replace(cfg, step_precision="float32"))
-    ids = torch.tensor([prompts(stored_target)[0] * 8], dtype=torch.long)[:, :40]
-    got, want = fast.forward(ids, use_cache=True).logits, f32.forward(ids, use_cache=True).logits
-    assert not torch.equal(got, want)  # not float32's output, but near it
-    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * want.abs().max().item())
-    suffix = SuffixDrafter(stored_target.vocab_size, 8)
-    for prompt in [*prompts(stored_target), prompts(stored_target)[2] * 3]:
-        plain = target_only_generate(fast, prompt, MAX_NEW).tokens
-        for d in (drafter, suffix):
-            engine = SpeculativeEngine(fast, d, rule="greedy", num_speculative_tokens=4)
-            assert engine.generate(prompt, MAX_NEW).tokens == plain
-    batch = BatchEngine(fast, drafter, num_speculative_tokens=3, max_batch_size=3)
-    want_all = [target_only_generate(fast, p, MAX_NEW).tokens for p in prompts(stored_target)]
-    got_all = batch.generate([Request(p, MAX_NEW, request_id=str(i)) for i, p in enumerate(prompts(stored_target))])
-    assert [r.tokens for r in got_all] == want_all
-    with pytest.raises(TargetError, match="would compute in float32"):  # what only the transformers forward runs
-        fast.forward(ids[:, :4], attention_mask=torch.ones(1, 4, dtype=torch.long))
 
 
 def test_int8_is_declared_by_the_cpus_flags(monkeypatch, tmp_path):
