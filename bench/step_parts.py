@@ -1,13 +1,15 @@
-"""Where one decode step of the fast target goes, part by part, beside each part's floor.
+"""Where one decode step (or verify pass) of the fast target goes, part by part, beside each
+part's floor.
 
-A step T(1) at ``--context`` tokens of context is split into what the kernel does:
+A pass T(k) of ``--rows`` k new tokens at ``--context`` tokens of context is split into what the
+kernel does:
 
-* each product kind of the decoder layers (q|k|v, o, gate|up, down), all layers, one row, in
+* each product kind of the decoder layers (q|k|v, o, gate|up, down), all layers, k rows, in
   layer order, through the kernel's own entry point (no Python between calls);
-* the head (the tied embedding, one row);
+* the head (the tied embedding, k rows);
 * the layers' other work: every layer in one call at context 1 and at ``--context``, less their
-  products (norms, RoPE, SiLU and attention over one slot; the attention over the context is the
-  difference between the two);
+  products (norms, RoPE, SiLU and attention over the first slots; the attention over the context
+  is the difference between the two);
 * the rest of the step (embedding, final norm, Python, the logits' allocation): the step less
   the layers at ``--context`` and the head.
 
@@ -17,7 +19,7 @@ over the bandwidth of a sum over a tensor as large as the step's weights on the 
 and for products the arithmetic (two FLOP a weight) at the kernel's vector FMA peak. Medians of
 ``--reps``, the parts interleaved so that load from other processes falls on all alike.
 
-    python bench/step_parts.py [--threads 2 --context 256 --reps 41 --cache-dir DIR]
+    python bench/step_parts.py [--threads 2 --context 256 --rows 1 --reps 41 --cache-dir DIR]
                                [--step-precision float32|bfloat16|int8|int16]
 
 Prints a markdown table. Nothing is asserted; the numbers describe this machine.
@@ -66,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=256)
+    p.add_argument("--rows", type=int, default=1, help="new tokens a pass (a verify pass of k tokens: k)")
     p.add_argument("--reps", type=int, default=41)
     p.add_argument("--cache-dir", default=str(Path("~/.cache/specline/targets").expanduser()))
     p.add_argument("--step-precision", default="float32", choices=["float32", "bfloat16", "int8", "int16"],
@@ -85,18 +88,19 @@ def _median_interleaved(calls: dict[str, Callable[[], None]], reps: int) -> dict
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def step_parts(target: StepTarget, context: int, reps: int, threads: int) -> tuple[list[Part], float]:
-    """(the parts of a one-token step of ``target`` (the fast step with its kernels) at ``context``
-    tokens of context, on ``threads`` threads: the products by kind, the head, the layers' other
-    work at one slot and the attention over the rest of the context, and the rest of the step;
-    the bandwidth in B/s of a sum over a tensor of the step's weight bytes, timed among them)."""
+def step_parts(target: StepTarget, context: int, reps: int, threads: int, rows: int = 1) -> tuple[list[Part], float]:
+    """(the parts of a pass of ``rows`` new tokens of ``target`` (the fast step with its kernels)
+    at ``context`` tokens of context, on ``threads`` threads: the products by kind, the head, the
+    layers' other work at the first slots and the attention over the rest of the context, and the
+    rest of the pass; the bandwidth in B/s of a sum over a tensor of the step's weight bytes,
+    timed among them)."""
     d, kernel = target.decoder, target.decoder.kernels
     if kernel is None:
         raise ValueError("step_parts: the target's step has no kernels (target.step: fast)")
     s, torch_threads = d.shape, torch.get_num_threads()
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.vocab_size, (1, context + 1), generator=gen)
+    ids = torch.randint(0, target.vocab_size, (1, context + rows), generator=gen)
     cache = target.forward(ids[:, :context], use_cache=True).cache
     calls: dict[str, Callable[[], None]] = {}
     kept = []  # the products' inputs and outputs, alive while their calls are
@@ -104,16 +108,16 @@ def step_parts(target: StepTarget, context: int, reps: int, threads: int) -> tup
         bound = []
         for layer in d.layers:
             w = getattr(layer, kind)
-            x, y = torch.randn(1, w.shape[1], generator=gen), torch.empty(1, w.shape[0])
+            x, y = torch.randn(rows, w.shape[1], generator=gen), torch.empty(rows, w.shape[0])
             kept.append((x, y))
             bound.append(kernel.bound_product(x, w, y, threads))
         calls[kind] = lambda bound=bound: [call() for call in bound]
-    x, y = torch.randn(1, s.hidden, generator=gen), torch.empty(1, d.head_weight.shape[0])
+    x, y = torch.randn(rows, s.hidden, generator=gen), torch.empty(rows, d.head_weight.shape[0])
     calls["head"] = kernel.bound_product(x, d.head_weight, y, threads)
-    row = d.embed(ids[0, -1:]).contiguous()
-    seq = torch.zeros(1, dtype=torch.long)
+    row = d.embed(ids[0, context:]).contiguous()  # [rows, H]
+    seq = torch.zeros(rows, dtype=torch.long)
     for at in (1, context):
-        pos, h = torch.tensor([at]), row.clone()
+        pos, h = torch.arange(at, at + rows), row.clone()
         calls[f"layers@{at}"] = lambda pos=pos, h=h: kernel.layers(h.copy_(row), seq, pos, s, d.layers, cache.k, cache.v,
                                                                    d.cos, d.sin, threads)
 
@@ -132,22 +136,22 @@ def step_parts(target: StepTarget, context: int, reps: int, threads: int) -> tup
     parts.append(Part("head", took["head"], _nbytes(d.head_weight), d.head_weight.shape.numel()))
     products = sum(p.seconds for p in parts[:len(PRODUCTS)])
     kv_bytes = 2 * s.layers * s.kv_heads * s.head_dim * 4 * context  # float32 keys and values read once
-    parts.append(Part("layers' other work at one slot", took["layers@1"] - products))
+    parts.append(Part("layers' other work at the first slots", took["layers@1"] - products))
     parts.append(Part(f"attention over {context} slots", took[f"layers@{context}"] - took["layers@1"], kv_bytes))
     parts.append(Part("rest of the step", took["step"] - took[f"layers@{context}"] - took["head"]))
-    parts.append(Part("step T(1)", took["step"], sum(p.bytes for p in parts), sum(p.weights for p in parts)))
+    parts.append(Part(f"step T({rows})", took["step"], sum(p.bytes for p in parts), sum(p.weights for p in parts)))
     return parts, stream.numel() * 4 / took["sum"]
 
 
-def table(parts: list[Part], bandwidth: float, fma_flops: float) -> list[str]:
+def table(parts: list[Part], bandwidth: float, fma_flops: float, rows: int = 1) -> list[str]:
     """Markdown rows: each part's ms, share of the step, MB, GB/s, and its floors (bytes over
-    ``bandwidth`` B/s; two FLOP a weight at ``fma_flops`` FLOP/s)."""
+    ``bandwidth`` B/s; two FLOP a weight and row at ``fma_flops`` FLOP/s)."""
     step = parts[-1].seconds
     lines = ["| part | ms | share | MB read | GB/s | memory floor ms | × | FMA floor ms | × |",
              "|---|---|---|---|---|---|---|---|---|"]
     for p in parts:
         mem = p.bytes / bandwidth
-        fma = 2 * p.weights / fma_flops
+        fma = 2 * p.weights * rows / fma_flops
         lines.append(f"| {p.name} | {p.seconds * 1e3:.3f} | {p.seconds / step:.0%} | "
                      + (f"{p.bytes / 1e6:.1f} | {p.bytes / p.seconds / 1e9:.1f} | {mem * 1e3:.3f} | {p.seconds / mem:.2f} | "
                         if p.bytes and p.seconds > 0 else "– | – | – | – | ")
@@ -158,16 +162,16 @@ def table(parts: list[Part], bandwidth: float, fma_flops: float) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = TargetConfig(name_or_path=SMOLLM2_TARGET, dtype="float32", device="cpu", cache_dir=args.cache_dir,
-                       step="fast", static_len=max(2048, args.context + 1), step_precision=args.step_precision)
+                       step="fast", static_len=max(2048, args.context + args.rows), step_precision=args.step_precision)
     target = step_target(load_target(cfg), cfg)
     assert isinstance(target, StepTarget)
-    parts, bandwidth = step_parts(target, args.context, args.reps, args.threads)
+    parts, bandwidth = step_parts(target, args.context, args.reps, args.threads, args.rows)
     fma = target.decoder.kernels.fma_rate(args.threads) * 1e9
     print(f"SmolLM2-135M, fast step ({', '.join(target.weight_formats)} blocks, kernel {target.decoder.kernels.isa}, "
           f"{target.precision} products), "
-          f"context {args.context}, {args.threads} thread(s), medians of {args.reps}; a sum over a tensor of the "
+          f"{args.rows} new token(s), context {args.context}, {args.threads} thread(s), medians of {args.reps}; a sum over a tensor of the "
           f"weights' bytes: {bandwidth / 1e9:.1f} GB/s; vector FMAs {fma / 1e9:.0f} GFLOP/s\n")
-    print("\n".join(table(parts, bandwidth, fma)))
+    print("\n".join(table(parts, bandwidth, fma, args.rows)))
 
 
 if __name__ == "__main__":
