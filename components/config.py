@@ -202,8 +202,8 @@ class TrainConfig:
     # shared embedding/LM head are never sharded). Checkpoints are the same either way.
     strategy: str = "ddp"
     # "bf16": autocast the objective's forward (master weights, optimizer state and gradients stay
-    # float32); "auto": bf16 where the device declares native bf16 products (measured in
-    # docs/results.md, "Drafter training steps"); "no": float32
+    # float32); "auto": bf16 where the device declares bf16 products faster than float32's (not
+    # an Intel CPU without AMX tiles; docs/results.md, "Drafter training steps"); "no": float32
     mixed_precision: str = "no"
     epochs: int = 1  # passes over the training records
     max_steps: int = 0  # > 0: stop after this many optimizer steps (0: epochs decide)

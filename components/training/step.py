@@ -24,6 +24,7 @@ from torch import nn
 from components.config import TrainConfig
 from components.drafters.base import DraftBatch, Drafter
 from components.losses import DrafterLoss, build_loss
+from components.target.kernels import cpuinfo
 from components.training.padding import supervised_tokens
 from components.training.sharding import check_strategy, full_tensor
 
@@ -33,15 +34,19 @@ MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16, "a
 
 def autocast_dtype(setting: str, device: torch.device | str = "cpu") -> torch.dtype | None:
     """``train.mixed_precision`` → the autocast dtype of the forward (None: float32). ``auto``:
-    bfloat16 where the device declares native bfloat16 products (a CUDA GPU that supports it; a
-    CPU whose oneDNN has bfloat16 kernels, e.g. AVX-512 BF16 / AMX), else float32."""
+    bfloat16 where the device declares bfloat16 products faster than float32's (a CUDA GPU that
+    supports them; a CPU whose oneDNN has bfloat16 kernels, unless it is an Intel CPU without the
+    AMX tiles: there oneDNN's bfloat16 products ran at 0.7× float32's, on an AMD Zen 4 at 2.5×;
+    docs/results.md), else float32."""
     if setting not in MIXED_PRECISION:
         raise ValueError(f"train.mixed_precision: '{setting}' is not one of {sorted(MIXED_PRECISION)}")
     if setting != "auto":
         return MIXED_PRECISION[setting]
     if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    return torch.bfloat16 if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    tiles = "amx_bf16" in (cpuinfo("flags") or "").split()
+    return torch.bfloat16 if native and (tiles or cpuinfo("vendor_id") != "GenuineIntel") else None
 
 
 class NonFiniteLossError(FloatingPointError):
