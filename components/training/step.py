@@ -36,17 +36,17 @@ def autocast_dtype(setting: str, device: torch.device | str = "cpu") -> torch.dt
     """``train.mixed_precision`` → the autocast dtype of the forward (None: float32). ``auto``:
     bfloat16 where the device declares bfloat16 products faster than float32's (a CUDA GPU that
     supports them; a CPU whose oneDNN has bfloat16 kernels, unless it is an Intel CPU without the
-    AMX tiles: there oneDNN's bfloat16 products ran at 0.7× float32's, on an AMD Zen 4 at 2.5×;
-    docs/results.md), else float32."""
+    AMX tiles, where they measured slower: docs/results.md), else float32."""
     if setting not in MIXED_PRECISION:
         raise ValueError(f"train.mixed_precision: '{setting}' is not one of {sorted(MIXED_PRECISION)}")
     if setting != "auto":
         return MIXED_PRECISION[setting]
     if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    tiles = "amx_bf16" in (cpuinfo("flags") or "").split()
-    return torch.bfloat16 if native and (tiles or cpuinfo("vendor_id") != "GenuineIntel") else None
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return None
+    intel_without_tiles = cpuinfo("vendor_id") == "GenuineIntel" and "amx_bf16" not in (cpuinfo("flags") or "").split()
+    return None if intel_without_tiles else torch.bfloat16
 
 
 class NonFiniteLossError(FloatingPointError):
