@@ -28,7 +28,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-TRAIN_STEPS = 200  # far more than run before the signal lands (a step of the fixture takes milliseconds)
+# More than run before the signal lands: a step of the fixture takes milliseconds, a checkpoint
+# (every 10 steps) about 2 s, and the interrupted run has stopped by step 30 at the latest so far.
+# Every step after the resume costs the test time (a checkpoint every 10).
+TRAIN_STEPS = 80
 TRAIN = [f"train.max_steps={TRAIN_STEPS}", "train.checkpoint_every=10", "train.num_workers=1", "train.cpus_per_worker=0.5",
          "train.batch_size=2", "train.log_every=2", "train.warmup_steps=1", "drafter.block_size=4",
          "drafter.num_anchors=16", "drafter.markov_rank=8", "drafter.draft_vocab_size=128"]
