@@ -89,23 +89,21 @@ def test_a_second_run_reuses_data_and_train_and_a_changed_key_or_force_reruns(
     reused_runs = mlflow.search_runs(experiment_names=["specline"], filter_string="tags.reused = 'true'")
     assert sorted(reused_runs["tags.specline.stage"]) == ["data", "train"]
 
-    steps, _ = _run(tmp_path, tiny_target_cfg, "train.max_steps=3")
-    lines = _lines(caplog)
-    assert any(line.startswith("[1/2] data reused") for line in lines), lines
-    assert "[2/2] train … (inputs changed: train.max_steps 2 → 3)" in lines, lines
-    assert steps["train_steps"] == 3 and _mtimes(data_dir) == before
+    # a changed key reruns its stage (deciding is enough: running it is the first run above, and
+    # the resumed and chained runs of tests/pipelines/test_train.py)
+    changed = reuse.decide("train", _cfg(tmp_path, tiny_target_cfg, "train.max_steps=3"), first)
+    assert changed is not None and not changed.reuse and changed.why == "inputs changed: train.max_steps 2 → 3"
     # "stages=[eval]" now: the recorded data and train outputs of this config are its upstream
-    alone = _cfg(tmp_path, tiny_target_cfg, "train.max_steps=3", "stages=[eval]")
+    alone = _cfg(tmp_path, tiny_target_cfg, "stages=[eval]")
     upstream, taken = reuse.recorded_upstream("eval", alone, {}, {})
-    assert [d.stage for d in taken] == ["data", "train"] and upstream["drafter_path"] == steps["drafter_path"]
+    assert [d.stage for d in taken] == ["data", "train"] and upstream["drafter_path"] == first["drafter_path"]
 
-    # force=[data]: data runs again, and the train stage after it would too (deciding is enough:
-    # running it again is the max_steps case above, and keeps this test short)
-    forced, _ = _run(tmp_path, tiny_target_cfg, "train.max_steps=3", "force=[data]", "stages=[data]")
+    # force=[data]: data runs again, and the train stage after it would too (deciding is enough)
+    forced, _ = _run(tmp_path, tiny_target_cfg, "force=[data]", "stages=[data]")
     lines = _lines(caplog)
     assert "[1/1] data … (force=[data]: its earlier output is replaced)" in lines, lines
     assert forced["num_records"] == 10 and _mtimes(data_dir) != before
-    train = reuse.decide("train", _cfg(tmp_path, tiny_target_cfg, "train.max_steps=3"), forced)
+    train = reuse.decide("train", _cfg(tmp_path, tiny_target_cfg), forced)
     assert not train.reuse and train.why == "inputs changed: the data stage's output (manifest.json)"
 
 
