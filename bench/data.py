@@ -36,10 +36,11 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from components.config import SpeclineConfig
 from components.confload import load_cli
-from components.data.prompts import collect_prompts
+from components.data.prompts import Prompt, PromptStats, collect_prompts
 from components.data.rollout import Roller, left_pad
-from components.data.source import describe_target, record_meta
+from components.data.source import TargetDescription, describe_target, record_meta
 
 
 @torch.no_grad()
@@ -69,7 +70,7 @@ def main(argv: list[str]) -> None:
     args, overrides = ap.parse_known_args(argv)
     cfg = load_cli(overrides)
     info = describe_target(cfg)
-    prompts, _ = collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)
+    prompts, stats = collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)
     meta = record_meta(cfg, info)
     hf_cfg = dataclasses.replace(info.target_cfg, step="hf", step_precision="float32")
     rollers = {"data_stage[hf]": Roller(hf_cfg, cfg.data, meta)}
@@ -112,17 +113,22 @@ def main(argv: list[str]) -> None:
             same = sum(x.input_ids.tolist() == y.input_ids.tolist() for x, y in zip(records, reference))
             print(f"same tokens, {name} vs data_stage[hf]: {same} of {len(records)} records")
     if args.ray:
-        from components.cluster import init_ray
-        from components.data.build import build_shards
+        time_ray_shards(cfg, info, prompts, stats)
 
-        init_ray(cfg.ray)
-        with tempfile.TemporaryDirectory() as tmp:
-            t0 = time.perf_counter()
-            m = build_shards(cfg, info, prompts, collect_prompts(cfg.data, info.tokenizer, info.corpus_dir)[1], Path(tmp))
-            ray_s = time.perf_counter() - t0
-        rt = m["totals"]["response_tokens"]
-        print(f"ray_shards  : {rt:6d} tokens in {ray_s:7.2f} s = {rt / ray_s:8.1f} tok/s (actor start-up and "
-              f"writes included; {m['totals']['bytes_per_token']:.0f} bytes/token on disk)")
+
+def time_ray_shards(cfg: SpeclineConfig, info: TargetDescription, prompts: list[Prompt], stats: PromptStats) -> None:
+    """The data stage's own shards path under Ray Data, into a temporary directory, timed whole."""
+    from components.cluster import init_ray
+    from components.data.build import build_shards
+
+    init_ray(cfg.ray)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        m = build_shards(cfg, info, prompts, stats, Path(tmp))
+        ray_s = time.perf_counter() - t0
+    rt = m["totals"]["response_tokens"]
+    print(f"ray_shards  : {rt:6d} tokens in {ray_s:7.2f} s = {rt / ray_s:8.1f} tok/s (actor start-up and "
+          f"writes included; {m['totals']['bytes_per_token']:.0f} bytes/token on disk)")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from components.config import ConfigError, EvalConfig, suffix_problems
+from components.config import ConfigError, EvalConfig
+from components.config_suffix import suffix_problems
 from components.drafters.capabilities import Capability, CapabilityError, require
 from components.engine import (
     OPEN_GATE,
