@@ -1,7 +1,7 @@
 """Speedup of the speculative engine over target-only decoding, batch 1, greedy, same run.
 
     python bench/engine.py [--drafter DIR --tree-budget 16 --new-tokens 64 --prompts 4 --reps 3 --int8-head
-                            --prompt-set heldout|code]
+                            --prompt-set heldout|code --target-step auto|hf]
 
 On the embedded target (built and cached on first use) and its held-out prompts (the
 evaluation stage's; ``--prompt-set code``: short code openings instead) it times, per prompt, plain greedy
@@ -11,7 +11,11 @@ decoding (``target_only_generate``) and the engine with: the drafter (a trained 
 has one; 0 skips), with ``--int8-head`` the drafter reading out through an int8 LM head,
 prompt lookup (model-free), and an oracle that
 proposes the target's own greedy continuation for free (the upper bound of a perfect drafter at
-this γ). Every engine output is checked equal to the baseline. Printed: tokens/s, τ, draft/verify
+this γ). The target runs as the evaluation stage runs it (``--target-step auto``: the fast step
+where ``target.step`` chooses it, with the drafter's own linears streamed by its kernel,
+``target.draft_weights``; token trees verify on the transformers forward, as the evaluation's
+``drafter_tree`` does); ``hf`` keeps the transformers forward and torch's products for both.
+Every engine output is checked equal to the baseline. Printed: tokens/s, τ, draft/verify
 time shares, and the speedup as a ratio of medians measured in this run. Nothing is asserted
 about time.
 """
@@ -46,6 +50,7 @@ from components.engine import (
 )
 from components.evaluation.prompts import eval_prompts
 from components.target import load_target
+from components.target.fast import step_target, stream_linears
 from components.target.hf import resolve_target_path
 
 PROMPTS = ["def main(args):\n    ", "import os\nimport sys\n", "class Foo:\n    def __init__(self",
@@ -66,6 +71,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--int8-head", action="store_true",
                     help="also run the drafter with an int8 readout head (components/drafters/quantize.py)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--target-step", choices=("auto", "hf"), default="auto",
+                    help="auto: the evaluation stage's target step and streamed drafter linears; hf: transformers' forward")
     ap.add_argument("--threads", type=int, default=1)
     return ap.parse_args()
 
@@ -113,9 +120,14 @@ def main() -> None:
         dspark, label = build_drafter(DrafterConfig(name="dspark"), target).eval(), "dspark (random init)"
     gamma = args.num_speculative_tokens or None
     quantized = int8_lm_head(copy.deepcopy(dspark)) if args.int8_head else None
+    cfg = TargetConfig(device=args.device, step=args.target_step)
+    fast = step_target(target, cfg, taps=list(dspark.layer_ids), lines=print)
+    if fast is not target:  # as the evaluation stage runs a drafter beside the fast step
+        stream_linears(target, cfg, modules=[dspark], keep_target=True, lines=print)
+    step = fast  # chains and the baseline; token trees keep the transformers forward, as the eval's
     engines = {
-        label: lambda p, ref: SpeculativeEngine(target, dspark, "greedy", gamma),
-        **({f"{label.split()[0]}, int8 head": lambda p, ref: SpeculativeEngine(target, quantized, "greedy", gamma)}
+        label: lambda p, ref: SpeculativeEngine(step, dspark, "greedy", gamma),
+        **({f"{label.split()[0]}, int8 head": lambda p, ref: SpeculativeEngine(step, quantized, "greedy", gamma)}
            if quantized is not None else {}),
         **({f"{label.split()[0]} tree {args.tree_budget}": lambda p, ref: TreeEngine(
             target, dspark, "greedy", gamma, budget=args.tree_budget)} if args.tree_budget else {}),
@@ -123,9 +135,9 @@ def main() -> None:
             target, dspark, "greedy", gamma, budget=args.tree_budget, builder="causal")}
            if args.tree_budget and has(dspark, Capability.CAUSAL_TREE_HEAD) else {}),
         "prompt lookup": lambda p, ref: SpeculativeEngine(
-            target, PromptLookupDrafter(target.vocab_size, gamma or 7, device=target.device), "greedy"),
+            step, PromptLookupDrafter(target.vocab_size, gamma or 7, device=target.device), "greedy"),
         "oracle (upper bound)": lambda p, ref: SpeculativeEngine(
-            target, OracleDrafter(p + ref, target.vocab_size, gamma or 7, device=target.device), "greedy"),
+            step, OracleDrafter(p + ref, target.vocab_size, gamma or 7, device=target.device), "greedy"),
     }
     if args.prompt_set == "code":
         prompts = [target.tokenizer(t)["input_ids"] for t in PROMPTS[: args.prompts]]
@@ -137,7 +149,7 @@ def main() -> None:
           f"{args.new_tokens} new tokens, {len(prompts)} {args.prompt_set} prompts, median of {args.reps}; "
           f"{dspark.cfg.name} γ={gamma or dspark.num_speculative_tokens}, {dspark.cfg.num_layers} layers, "
           f"{dspark.num_parameters():,} params")
-    report([bench_prompt(target, engines, p, args) for p in prompts], args.new_tokens)
+    report([bench_prompt(step, engines, p, args) for p in prompts], args.new_tokens)
 
 
 if __name__ == "__main__":
