@@ -121,10 +121,10 @@ def main() -> None:
     gamma = args.num_speculative_tokens or None
     quantized = int8_lm_head(copy.deepcopy(dspark)) if args.int8_head else None
     cfg = TargetConfig(device=args.device, step=args.target_step)
-    fast = step_target(target, cfg, taps=list(dspark.layer_ids), lines=print)
-    if fast is not target:  # as the evaluation stage runs a drafter beside the fast step
+    # chains and the baseline; token trees keep the transformers forward, as the eval's
+    step = step_target(target, cfg, taps=list(dspark.layer_ids), lines=print)
+    if step is not target:  # as the evaluation stage runs a drafter beside the fast step
         stream_linears(target, cfg, modules=[dspark], keep_target=True, lines=print)
-    step = fast  # chains and the baseline; token trees keep the transformers forward, as the eval's
     engines = {
         label: lambda p, ref: SpeculativeEngine(step, dspark, "greedy", gamma),
         **({f"{label.split()[0]}, int8 head": lambda p, ref: SpeculativeEngine(step, quantized, "greedy", gamma)}
