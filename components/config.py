@@ -259,6 +259,9 @@ class EvalConfig:
     summarise_passage_tokens: int = 192  # summarise prompts: the passage's whole lines within this many tokens
     max_prompt_tokens: int = 448  # longer prompts are skipped (HumanEval's longest: 395 SmolLM2 tokens)
     num_prompts: int = 8  # per prompt set
+    # chat: the held-out questions among the prompt bank's first this many (0: all), so a larger bank
+    # (target.prompts.questions) trains on more questions and is evaluated on the same ones
+    chat_bank_prefix: int = 320
     max_new_tokens: int = 64  # every method generates exactly this many tokens (no stop tokens)
     rule: str = "greedy"  # engine rule: greedy | speculative | block | gumbel
     temperature: float = 0.0  # 0 = greedy (every method must then match target_only exactly)
@@ -312,6 +315,9 @@ class EvalConfig:
             raise ConfigError(f"eval.embedded_kinds: renamed eval.prompt_sets (chat and text are sets there, "
                               f"beside humaneval and summarise; eval.num_prompts counts per set): set "
                               f"eval.prompt_sets={list(self.embedded_kinds)} instead")
+        if self.chat_bank_prefix < 0:
+            raise ConfigError(f"eval.chat_bank_prefix: must be 0 (every held-out question) or more "
+                              f"(got {self.chat_bank_prefix})")
 
 
 # serve.drafter: model = a trained drafter (drafter_path, drafter_run_id or the train stage's);

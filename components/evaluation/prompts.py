@@ -11,7 +11,9 @@ one number per task:
 * ``humaneval_chat`` -- the same problems as a chat turn asking to complete the function
   (opt-in: how papers that evaluate instruct models through their chat template feed them);
 * ``chat``           -- the first user turn of each conversation in ``chat/heldout.jsonl`` of the
-  target directory (the target's own held-out questions), with the chat template;
+  target directory (the target's own held-out questions), with the chat template; of the
+  embedded target's prompt bank only those among its first ``eval.chat_bank_prefix`` questions,
+  so the set stays the same when the bank grows;
 * ``summarise``      -- a chat turn asking for a summary of a window of a held-out document
   (``corpus/heldout.jsonl``), the passage cut to ``eval.summarise_passage_tokens`` tokens on
   whole lines; raw text ("passage ... Summary:") for a target without a chat template;
@@ -142,7 +144,10 @@ def _heldout_rows(src: SetSource, name: str, *parts: str) -> list[dict[str, Any]
 def _chat_candidates(src: SetSource, n: int) -> list[RawPrompt]:
     """First user turns of held-out conversations (turns before the first reply)."""
     _need_chat_template(src, "chat")
-    rows = spread(list(enumerate(_heldout_rows(src, "chat", "chat", "heldout.jsonl"))), 2 * n + 1)
+    prefix = src.ev.chat_bank_prefix
+    rows = [(i, row) for i, row in enumerate(_heldout_rows(src, "chat", "chat", "heldout.jsonl"))
+            if not prefix or row.get("bank_index", 0) < prefix]  # rows without an index: the tiny target's
+    rows = spread(rows, 2 * n + 1)
     return [p for i, row in rows for p in row_prompts(row, f"chat:heldout:{i}")[:1]]
 
 

@@ -14,12 +14,16 @@ side and summarisation prompts on the held-out side.
 Written into the target directory, in the layout the tiny target has, so the data and
 evaluation stages read either target the same way:
 
-- ``chat/{train,heldout}.jsonl``: ``{"messages": [{"role": "user", "content": ...}]}``
+- ``chat/{train,heldout}.jsonl``: ``{"messages": [{"role": "user", "content": ...}], "bank_index": i}``,
+  ``i`` the turn's place in the order sampled;
+- ``chat/pool-<hash of the settings but questions>.json``: every turn kept so far, in the order sampled, and where sampling stopped.
+  The bank of ``questions`` turns is the pool's first ``questions``: a larger bank samples on
+  from where a smaller one stopped, a smaller one is cut from a larger (see :func:`grow_pool`);
 - ``corpus/{train,heldout}.jsonl``: ``{"source", "name", "text"}``
-- ``prompt_bank.json``: settings, counts, rejections by reason, seconds.
+- ``prompt_bank.json``: settings, counts, rejections by reason, the pool's size, seconds.
 
 Each file is written to a temporary name and renamed, the info file last, so an interrupted
-build is redone. Knows HF models, tokenizers and the corpus; nothing about drafters or Ray.
+build is redone (from the pool it had reached). Knows HF models, tokenizers and the corpus; nothing about drafters or Ray.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from components.target import corpus as corpus_mod
 from components.target.hfbars import no_hf_bars
 from components.target.tokenizer import stop_token_ids
 
-BANK_VERSION = 1
+BANK_VERSION = 2  # 2: the bank is a prefix of a pool that grows (1 kept no pool)
 INFO_FILE = "prompt_bank.json"
 ENGLISH_WORDS = frozenset([  # a kept turn has at least one of these
     "a", "an", "the", "and", "or", "of", "to", "in", "on", "for", "with", "is", "are", "was", "be",
@@ -120,31 +124,43 @@ def model_sampler(target_dir: Path, cfg: PromptBankConfig) -> Sampler:
     return lambda batch: sample_turns(model, tokenizer, prefix, cfg.batch_size, stop_ids, cfg, batch)
 
 
-def generate_questions(sampler: Sampler, cfg: PromptBankConfig, progress: bool) -> tuple[list[str], Counter]:
-    """Up to ``cfg.questions`` distinct kept user turns, and how many were rejected by reason."""
+def grow_pool(pool: dict[str, Any], sampler: Sampler, cfg: PromptBankConfig, progress: bool,
+              save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The pool with batches sampled after its last until it keeps ``cfg.questions`` turns.
+
+    A pool is ``{"questions": kept turns in the order sampled, "next_batch", "rejected": by reason}``.
+    Every batch is taken whole (a pool may keep a few more than asked), and a batch's turns depend
+    only on the seed and its index, so a pool grown in steps equals one sampled at once and any
+    prefix of it is the bank of that size. Gives up after 3× the candidates needed. ``save`` gets
+    the pool after every batch, so an interrupted build samples on from there.
+    """
     from tqdm.auto import tqdm
 
-    kept: dict[str, str] = {}
-    rejected: Counter = Counter()
-    max_batches = -(-cfg.questions * 3 // cfg.batch_size)  # give up after 3× the candidates needed
-    bar = tqdm(total=cfg.questions, desc="prompt bank: questions", unit="q", disable=not progress)
-    for batch in range(max_batches):
-        if len(kept) >= cfg.questions:
-            break
+    kept = {normalise(q): q for q in pool["questions"]}
+    rejected = Counter(pool["rejected"])
+    batch = pool["next_batch"]
+    max_batches = -(-cfg.questions * 3 // cfg.batch_size)
+    bar = tqdm(total=cfg.questions, initial=min(len(kept), cfg.questions), desc="prompt bank: questions",
+               unit="q", disable=not progress)
+    while len(kept) < cfg.questions and batch < max_batches:
         for turn in sampler(batch):
             why = "unfinished" if turn is None else rejection(turn, cfg)
             if why is None and normalise(turn) in kept:
                 why = "duplicate"
             if why is not None:
                 rejected[why] += 1
-            elif len(kept) < cfg.questions:
+            else:
                 kept[normalise(turn)] = turn
-                bar.update(1)
+                bar.update(1 if len(kept) <= cfg.questions else 0)
+        batch += 1
+        pool = {"questions": list(kept.values()), "next_batch": batch, "rejected": dict(rejected)}
+        if save is not None:
+            save(pool)
     bar.close()
     if not kept:
         raise PromptBankError(f"target.prompts: none of the {sum(rejected.values())} generated user turns "
                               f"passed the filters ({dict(rejected)}); loosen min_words/max_words")
-    return list(kept.values()), rejected
+    return pool
 
 
 # ----------------------------------------------------------------------------- the bank
@@ -161,15 +177,39 @@ def bank_settings(cfg: PromptBankConfig) -> dict[str, Any]:
     return {"bank_version": BANK_VERSION, **asdict(cfg)}
 
 
+def pool_settings(cfg: PromptBankConfig) -> dict[str, Any]:
+    """What the pool's turns depend on: the bank's settings but for how many it holds."""
+    return {k: v for k, v in bank_settings(cfg).items() if k != "questions"}
+
+
 def read_bank_info(target_dir: Path) -> dict[str, Any] | None:
     path = target_dir / INFO_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def pool_path(target_dir: Path, cfg: PromptBankConfig) -> Path:
+    """One pool per setting of what its turns depend on, so switching settings back samples nothing."""
+    digest = hashlib.sha256(json.dumps(pool_settings(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    return target_dir / "chat" / f"pool-{digest}.json"
+
+
+def read_pool(target_dir: Path, cfg: PromptBankConfig) -> dict[str, Any]:
+    """The pool of ``target_dir`` sampled with ``cfg``'s settings, or an empty one."""
+    path = pool_path(target_dir, cfg)
+    pool = json.loads(path.read_text()) if path.is_file() else {}
+    if pool.get("settings") != pool_settings(cfg):
+        return {"questions": [], "next_batch": 0, "rejected": {}}
+    return pool
+
+
 def ensure_prompt_bank(target_dir: Path, cfg: PromptBankConfig, corpus_cache: Path, progress: bool = True,
                        sampler: Sampler | None = None) -> tuple[dict[str, Any], bool]:
-    """(bank info, built_now): the bank of ``target_dir``, built when missing or made otherwise.
+    """(bank info, written_now): the bank of ``target_dir``, written when missing or of another size.
 
+    The bank is the first ``cfg.questions`` turns of the pool (``chat/pool-<settings hash>.json``); a pool with
+    fewer is sampled further, one with other settings is sampled anew. So switching between bank
+    sizes rewrites the split files in a second and samples only what no smaller bank had; two runs
+    with different sizes at once on one target directory would each rewrite the other's splits.
     ``sampler`` replaces sampling from the checkpoint in ``target_dir`` (tests script the turns).
     """
     info = read_bank_info(target_dir)
@@ -178,19 +218,32 @@ def ensure_prompt_bank(target_dir: Path, cfg: PromptBankConfig, corpus_cache: Pa
     t0 = time.perf_counter()
     docs = corpus_mod.load_documents(cfg.corpus_sources, cfg.corpus_max_chars, corpus_cache)
     train_docs, heldout_docs = corpus_mod.split_documents(docs, cfg.heldout_fraction)
-    questions, rejected = generate_questions(sampler or model_sampler(target_dir, cfg), cfg, progress)
-    sides = {"train": [q for q in questions if not is_heldout_question(q, cfg.heldout_fraction)],
-             "heldout": [q for q in questions if is_heldout_question(q, cfg.heldout_fraction)]}
+    pool = read_pool(target_dir, cfg)
+    sampled_before = len(pool["questions"])
+    if sampled_before < cfg.questions:
+        def save(grown: dict[str, Any]) -> None:
+            path = pool_path(target_dir, cfg)
+            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"settings": pool_settings(cfg), **grown}))
+            os.replace(tmp, path)
+
+        pool = grow_pool(pool, sampler or model_sampler(target_dir, cfg), cfg, progress, save)
+    questions = pool["questions"][: cfg.questions]  # in the order sampled: a prefix of any larger bank
+    sides = {"train": [(i, q) for i, q in enumerate(questions) if not is_heldout_question(q, cfg.heldout_fraction)],
+             "heldout": [(i, q) for i, q in enumerate(questions) if is_heldout_question(q, cfg.heldout_fraction)]}
     (target_dir / INFO_FILE).unlink(missing_ok=True)  # the files below are being replaced
     for split, docs_side in (("train", train_docs), ("heldout", heldout_docs)):
         _write_jsonl(target_dir / "corpus" / f"{split}.jsonl", [asdict(d) for d in docs_side])
-        _write_jsonl(target_dir / "chat" / f"{split}.jsonl",
-                     [{"messages": [{"role": "user", "content": q}]} for q in sides[split]])
+        _write_jsonl(target_dir / "chat" / f"{split}.jsonl",  # bank_index: the turn's place in the pool
+                     [{"messages": [{"role": "user", "content": q}], "bank_index": i} for i, q in sides[split]])
     info = {"settings": bank_settings(cfg),
-            "questions": {k: len(v) for k, v in sides.items()}, "rejected": dict(rejected),
+            "questions": {k: len(v) for k, v in sides.items()}, "rejected": pool["rejected"],
+            "pool": {"questions": len(pool["questions"]), "batches": pool["next_batch"],
+                     "sampled_now": len(pool["questions"]) - sampled_before},
             "documents": {"train": len(train_docs), "heldout": len(heldout_docs)},
             "corpus_fingerprint": corpus_mod.corpus_fingerprint(docs),
-            "examples": sides["train"][:5], "seconds": time.perf_counter() - t0}
+            "examples": [q for _, q in sides["train"][:5]], "seconds": time.perf_counter() - t0}
     tmp = target_dir / f"{INFO_FILE}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(info, indent=2))
     os.replace(tmp, target_dir / INFO_FILE)

@@ -71,11 +71,15 @@ def test_each_preset_trains_and_evaluates_on_the_tiny_target(name: str, tmp_path
     assert out["eval_lossless_failures"] == [] and out["eval_tau"]["drafter"] >= 1.0
 
 
-def test_the_long_preset_is_the_default_run_with_more_rollouts_and_steps():
+def test_the_long_preset_is_the_default_run_with_more_rollouts_steps_and_questions():
     long, dspark = load("presets/long.yaml"), load("dspark.yaml")
     assert long.data.max_prompts > 4 * dspark.data.max_prompts and long.train.max_steps > 4 * dspark.train.max_steps
     assert dataclasses.replace(long.data, max_prompts=dspark.data.max_prompts) == dspark.data
     assert dataclasses.replace(long.train, max_steps=dspark.train.max_steps,
                                checkpoint_every=dspark.train.checkpoint_every) == dspark.train
-    for section in ("target", "drafter", "eval", "serve", "ray", "tracking"):
+    assert long.target.prompts.questions > 4 * dspark.target.prompts.questions
+    assert dataclasses.replace(long.target.prompts, questions=dspark.target.prompts.questions) == dspark.target.prompts
+    assert dataclasses.replace(long.target, prompts=dspark.target.prompts) == dspark.target
+    assert long.eval.chat_bank_prefix == dspark.target.prompts.questions  # evaluated on the default's questions
+    for section in ("drafter", "eval", "serve", "ray", "tracking"):
         assert getattr(long, section) == getattr(dspark, section), section

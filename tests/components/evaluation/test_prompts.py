@@ -86,6 +86,22 @@ def test_every_set_reads_the_heldout_side_only(tiny_target, target_dir):
     assert eval_prompt_sets(EvalConfig(prompt_sets=ALL_SETS, num_prompts=3), tok, target_dir) == sets
 
 
+def test_chat_reads_the_heldout_questions_of_the_banks_first_ones(tiny_target, target_dir):
+    """A grown bank (bank_index past the prefix) leaves the chat set as it was; 0 reads them all."""
+    rows = [json.loads(x) for x in (target_dir / "chat" / "heldout.jsonl").read_text().splitlines()]
+    _write(target_dir / "chat" / "heldout.jsonl", [{**r, "bank_index": 2 * i} for i, r in enumerate(rows)])
+    tok = tiny_target.tokenizer
+
+    def chat(prefix: int) -> set[str]:
+        ev = EvalConfig(prompt_sets=["chat"], num_prompts=6, chat_bank_prefix=prefix)
+        return {_decode(tok, p.input_ids) for p in eval_prompt_sets(ev, tok, target_dir)["chat"]}
+
+    assert chat(6) == {_rendered(tok, f"held-out question {i}?") for i in range(3)}  # bank_index 0, 2, 4
+    assert chat(0) == {_rendered(tok, f"held-out question {i}?") for i in range(6)}
+    with pytest.raises(ConfigError, match="eval.chat_bank_prefix"):
+        EvalConfig(chat_bank_prefix=-1)
+
+
 def test_prompts_interleave_the_sets_and_ids_name_their_set(tiny_target, target_dir):
     ev = EvalConfig(prompt_sets=["humaneval", "chat", "summarise"], num_prompts=2)
     prompts = eval_prompts(ev, tiny_target.tokenizer, target_dir)

@@ -1,4 +1,4 @@
-"""The embedded chat target's prompt bank: filters, the split, the layout, rebuilds, real sampling."""
+"""The embedded chat target's prompt bank: filters, the split, the layout, growth, rebuilds, real sampling."""
 
 from __future__ import annotations
 
@@ -65,11 +65,66 @@ def test_bank_is_written_in_the_tiny_target_layout_with_its_counts(tmp_path, tar
     assert not built_again and again == info
 
 
+def _bank(path: Path) -> list[tuple[int, str]]:
+    """(bank_index, question) of both sides of a written bank, in the order sampled."""
+    rows = _rows(path / "chat" / "train.jsonl") + _rows(path / "chat" / "heldout.jsonl")
+    return sorted((r["bank_index"], r["messages"][0]["content"]) for r in rows)
+
+
+def _counting(calls: list[int]):
+    def sampler(batch: int) -> list[str | None]:
+        calls.append(batch)
+        return [f"Question number {batch * 10 + i} is about what?" for i in range(4)]
+    return sampler
+
+
+def test_a_bank_is_a_prefix_of_a_larger_one_and_grows_without_resampling(tmp_path, target_cache):
+    """Cut and grown banks are the prefix of the bank sampled at once; a batch is never sampled twice."""
+    corpora = target_cache / "corpora"
+    at_once: list[int] = []
+    pb.ensure_prompt_bank(tmp_path / "once", PromptBankConfig(**{**CFG.__dict__, "questions": 10}), corpora,
+                          progress=False, sampler=_counting(at_once))
+    assert at_once == [0, 1, 2] and [i for i, _ in _bank(tmp_path / "once")] == list(range(10))
+    calls: list[int] = []
+    grow = tmp_path / "grown"
+    for n in (3, 6, 2, 10):  # 3 takes batch 0 whole; 6 samples batch 1 only; 2 samples nothing
+        info, built = pb.ensure_prompt_bank(grow, PromptBankConfig(**{**CFG.__dict__, "questions": n}), corpora,
+                                            progress=False, sampler=_counting(calls))
+        assert built and sum(info["questions"].values()) == n
+        assert _bank(grow) == _bank(tmp_path / "once")[:n]
+    assert calls == [0, 1, 2] and info["pool"] == {"questions": 12, "batches": 3, "sampled_now": 4}
+    again, built = pb.ensure_prompt_bank(grow, PromptBankConfig(**{**CFG.__dict__, "questions": 10}), corpora,
+                                         progress=False, sampler=lambda b: pytest.fail("a cached bank is reused"))
+    assert not built and again == info
+
+
+def test_an_interrupted_build_samples_on_from_its_last_batch(tmp_path, target_cache):
+    cfg = PromptBankConfig(**{**CFG.__dict__, "questions": 10})
+    calls: list[int] = []
+
+    def dies_at_batch_2(batch: int) -> list[str | None]:
+        if batch == 2:
+            raise KeyboardInterrupt
+        return _counting(calls)(batch)
+
+    with pytest.raises(KeyboardInterrupt):
+        pb.ensure_prompt_bank(tmp_path, cfg, target_cache / "corpora", progress=False, sampler=dies_at_batch_2)
+    assert pb.read_bank_info(tmp_path) is None and not list(tmp_path.rglob("*.tmp-*"))
+    pb.ensure_prompt_bank(tmp_path, cfg, target_cache / "corpora", progress=False, sampler=_counting(calls))
+    assert calls == [0, 1, 2] and len(_bank(tmp_path)) == 10
+
+
 def test_changed_settings_rebuild_and_nothing_kept_is_one_clear_error(tmp_path, target_cache):
     pb.ensure_prompt_bank(tmp_path, CFG, target_cache / "corpora", progress=False, sampler=scripted)
     fewer = PromptBankConfig(**{**CFG.__dict__, "questions": 2})
     info, built = pb.ensure_prompt_bank(tmp_path, fewer, target_cache / "corpora", progress=False, sampler=scripted)
     assert built and sum(info["questions"].values()) == 2
+    other_seed = PromptBankConfig(**{**CFG.__dict__, "seed": 1})
+    calls: list[int] = []
+    pb.ensure_prompt_bank(tmp_path, other_seed, target_cache / "corpora", progress=False, sampler=_counting(calls))
+    assert calls == [0, 1]  # another pool, sampled from its first batch
+    pb.ensure_prompt_bank(tmp_path, fewer, target_cache / "corpora", progress=False,
+                          sampler=lambda b: pytest.fail("the first settings' pool is kept"))
     strict = PromptBankConfig(**{**CFG.__dict__, "min_words": 50})
     with pytest.raises(pb.PromptBankError, match="none of the .* generated user turns passed the filters"):
         pb.ensure_prompt_bank(tmp_path, strict, target_cache / "corpora", progress=False, sampler=scripted)
