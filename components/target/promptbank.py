@@ -16,14 +16,16 @@ evaluation stages read either target the same way:
 
 - ``chat/{train,heldout}.jsonl``: ``{"messages": [{"role": "user", "content": ...}], "bank_index": i}``,
   ``i`` the turn's place in the order sampled;
-- ``chat/pool-<hash of the settings but questions>.json``: every turn kept so far, in the order sampled, and where sampling stopped.
-  The bank of ``questions`` turns is the pool's first ``questions``: a larger bank samples on
-  from where a smaller one stopped, a smaller one is cut from a larger (see :func:`grow_pool`);
+- ``chat/pool-<hash of the settings but questions>.json``: every turn kept so far, in the order
+  sampled, and where sampling stopped. The bank of ``questions`` turns is the pool's first
+  ``questions``: a larger bank samples on from where a smaller one stopped, a smaller one is cut
+  from a larger (see :func:`grow_pool`);
 - ``corpus/{train,heldout}.jsonl``: ``{"source", "name", "text"}``
 - ``prompt_bank.json``: settings, counts, rejections by reason, the pool's size, seconds.
 
 Each file is written to a temporary name and renamed, the info file last, so an interrupted
-build is redone (from the pool it had reached). Knows HF models, tokenizers and the corpus; nothing about drafters or Ray.
+build is redone (from the pool it had reached). Knows HF models, tokenizers and the corpus;
+nothing about drafters or Ray.
 """
 
 from __future__ import annotations
@@ -173,6 +175,14 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def _write_json(path: Path, obj: Any, indent: int | None = None) -> None:
+    """``obj`` as JSON at ``path``, written to a temporary name and renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=indent))
+    os.replace(tmp, path)
+
+
 def bank_settings(cfg: PromptBankConfig) -> dict[str, Any]:
     return {"bank_version": BANK_VERSION, **asdict(cfg)}
 
@@ -206,8 +216,8 @@ def ensure_prompt_bank(target_dir: Path, cfg: PromptBankConfig, corpus_cache: Pa
                        sampler: Sampler | None = None) -> tuple[dict[str, Any], bool]:
     """(bank info, written_now): the bank of ``target_dir``, written when missing or of another size.
 
-    The bank is the first ``cfg.questions`` turns of the pool (``chat/pool-<settings hash>.json``); a pool with
-    fewer is sampled further, one with other settings is sampled anew. So switching between bank
+    The bank is the first ``cfg.questions`` turns of the pool (``pool_path``); a pool with fewer
+    is sampled further, one with other settings is sampled anew. So switching between bank
     sizes rewrites the split files in a second and samples only what no smaller bank had; two runs
     with different sizes at once on one target directory would each rewrite the other's splits.
     ``sampler`` replaces sampling from the checkpoint in ``target_dir`` (tests script the turns).
@@ -221,14 +231,9 @@ def ensure_prompt_bank(target_dir: Path, cfg: PromptBankConfig, corpus_cache: Pa
     pool = read_pool(target_dir, cfg)
     sampled_before = len(pool["questions"])
     if sampled_before < cfg.questions:
-        def save(grown: dict[str, Any]) -> None:
-            path = pool_path(target_dir, cfg)
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"settings": pool_settings(cfg), **grown}))
-            os.replace(tmp, path)
-
-        pool = grow_pool(pool, sampler or model_sampler(target_dir, cfg), cfg, progress, save)
+        path, settings = pool_path(target_dir, cfg), pool_settings(cfg)
+        pool = grow_pool(pool, sampler or model_sampler(target_dir, cfg), cfg, progress,
+                         save=lambda grown: _write_json(path, {"settings": settings, **grown}))
     questions = pool["questions"][: cfg.questions]  # in the order sampled: a prefix of any larger bank
     sides = {"train": [(i, q) for i, q in enumerate(questions) if not is_heldout_question(q, cfg.heldout_fraction)],
              "heldout": [(i, q) for i, q in enumerate(questions) if is_heldout_question(q, cfg.heldout_fraction)]}
@@ -244,7 +249,5 @@ def ensure_prompt_bank(target_dir: Path, cfg: PromptBankConfig, corpus_cache: Pa
             "documents": {"train": len(train_docs), "heldout": len(heldout_docs)},
             "corpus_fingerprint": corpus_mod.corpus_fingerprint(docs),
             "examples": [q for _, q in sides["train"][:5]], "seconds": time.perf_counter() - t0}
-    tmp = target_dir / f"{INFO_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, target_dir / INFO_FILE)
+    _write_json(target_dir / INFO_FILE, info, indent=2)
     return info, True
