@@ -65,20 +65,23 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   policy chose: calibrating P(first k accepted) itself would carry the acceptance of the rows
   that happened to draft deep over to every row;
 * measured time: a (batch size, width) already played is priced at its measured round seconds
-  (running mean); one not played yet at the model's seconds times its side's measured/model
-  ratio in the batch-size bucket (one ratio for plain rounds, one for all drafting caps, each
-  taken against the model as updated by the round, so terms the model was still learning do
-  not inflate it). Time and tokens are corrected apart because one round's acceptance is far
-  noisier than its time. The side not chosen is tried once early, so a model that misprices
-  plain rounds (or drafting) learns their real cost, and then again with exponential back-off:
-  ``min_recheck`` rounds of the bucket later, doubling while a try loses (the round after it
-  goes back to the other side) up to ``recheck``, and back to ``min_recheck`` when one wins.
-  A plain round yields no confidences, so a request that went plain on one bad round sees only
-  the acceptance seen so far; the early tries keep one bad round from keeping it plain, while a
-  side that keeps losing costs a try in ``recheck`` rounds. Plain rounds themselves are never
-  tried when the rounds were profiled, and re-tried only every ``recheck`` rounds once their
-  time at that batch size is measured: their tokens are certain, so a try could only refresh
-  the time.
+  (running mean, drifting back toward the model's by ``stale`` a round while that width is not
+  played, so one stalled round cannot keep a width out for good); one not played yet at the
+  model's seconds times its side's measured/model ratio in the batch-size bucket (one ratio for
+  plain rounds, one for all drafting caps, each taken against the model as updated by the round,
+  so terms the model was still learning do not inflate it). Time and tokens are corrected apart
+  because one round's acceptance is far noisier than its time. The side not chosen is tried once
+  early, so a model that misprices plain rounds (or drafting) learns their real cost, and then
+  again with exponential back-off: ``min_recheck`` rounds of the bucket later, doubling while a
+  try loses (the round after it goes back to the other side) up to ``recheck``, and back to
+  ``min_recheck`` when one wins. A plain round yields no confidences, so a request that went plain
+  on one bad round sees only the acceptance seen so far; the early tries keep one bad round from
+  keeping it plain, while a side that keeps losing costs a try in ``recheck`` rounds. Plain rounds
+  themselves are never tried when the rounds were profiled, and re-tried only every ``recheck``
+  rounds once their time at that batch size is measured: their tokens are certain, so a try could
+  only refresh the time. The rounds counted are all the bucket's rounds, those the engine plays
+  plain without asking the cap included (it backs off asking a cap that keeps answering 0):
+  ``try_due`` tells it when such a round is due a try of drafting.
 
 Knows timings and acceptance numbers only (a forward-time table, ``times.RoundTimes``); nothing
 about models, rules or caches: what times them is ``profile.py``, what feeds them per row
@@ -102,8 +105,9 @@ from components.spec.cost import ProfileTable
 class DraftLengthPolicy(Protocol):
     """What the batch engine asks of a draft-length policy, once per round: ``cap`` before
     drafting (survival [B, ≥max_cap] per speculating row; ``remaining`` tokens per row when
-    nothing waits to join), ``observe`` after the round; ``empirical_survival`` for rows
-    without fresh confidences. Declared: ``adapts`` (False: the cap is always the largest, and
+    nothing waits to join), ``observe`` after every round, asked or not; ``empirical_survival``
+    for rows without fresh confidences; ``try_due`` in a round the engine would not ask the cap
+    for (it kept answering 0): whether to ask anyway (a try of drafting is due). Declared: ``adapts`` (False: the cap is always the largest, and
     no survival estimate is wanted), ``calibrate`` (rows' estimates scaled by their own record of
     accepted against predicted drafts, ``rows.RowSurvival``)."""
 
@@ -117,6 +121,8 @@ class DraftLengthPolicy(Protocol):
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
                 round_seconds: float, verify_tokens: int) -> None: ...
+
+    def try_due(self, batch_size: int) -> bool: ...
 
 
 class FixedDraftLength:
@@ -135,6 +141,9 @@ class FixedDraftLength:
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
                 round_seconds: float, verify_tokens: int) -> None:
         pass
+
+    def try_due(self, batch_size: int) -> bool:
+        return False  # the cap is asked every round anyway: it never answers 0
 
 
 @dataclass
@@ -168,6 +177,10 @@ class AdaptiveDraftLength:
     recheck: int = 32  # most rounds per batch-size bucket between re-tries of the side not chosen
     min_recheck: int = 2  # fewest (back-off: doubles while tries lose)
     backoff: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, G > 0) -> rounds between tries
+    # per round of a batch size that does not play a width, its measured price moves this share of
+    # the way back to the model's (as corrected for its side), so that a price a stall inflated
+    # does not keep that width out for good: unplayed, it would never be measured down again
+    stale: float = 1 / 32
     decay: float = 0.97  # per round, on the survival calibration's running sums
     corrections: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, G > 0) -> time ratio
     round_times: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, G) -> measured seconds
@@ -331,6 +344,12 @@ class AdaptiveDraftLength:
         self._probe = (bucket, side)
         return 1 + int(rates[1:].argmax()) if side else 0
 
+    def try_due(self, batch_size: int) -> bool:
+        """Whether a round at ``batch_size`` that the engine would not ask the cap for (the cap
+        kept answering 0, so the engine backs off asking) should be asked anyway: a try of
+        drafting is due by this bucket's round count, which counts the rounds not asked too."""
+        return self.calibrate and self._recheck_due(batch_bucket(batch_size), True)
+
     def _recheck_due(self, bucket: int, side: bool, wait: int | None = None) -> bool:
         """Whether the side not chosen is due a try: never tried (after one measured round of
         this bucket; after ``wait`` when given, its time being known), or not tried for ``wait``
@@ -361,6 +380,10 @@ class AdaptiveDraftLength:
             for k in range(min(a + 1, d)):  # positions 0..a reached; 0..a-1 accepted
                 self.reach_counts[k] += 1
                 self.accept_counts[k] += float(k < a)
+        if self.calibrate and self._last is None and not drafted:
+            # a round the engine did not ask the cap for: plain, one token a row in its pass
+            bucket = batch_bucket(max(verify_tokens, 1))
+            self.bucket_rounds[bucket] = self.bucket_rounds.get(bucket, 0) + 1
         if self.calibrate and self._last is not None:
             # against the model as updated by this round: the correction keeps only what the
             # shared terms (scale, overhead, draft time) cannot explain for this bucket and cap
@@ -398,6 +421,20 @@ class AdaptiveDraftLength:
             old = table.get(key)
             value = min(value, self.spike * (model if old is None else old))
             table[key] = value if old is None else (1 - self.calibration_ema) * old + self.calibration_ema * value
+        self._relax(bsz, int(width) if width == int(width) else -1)
+
+    def _relax(self, bsz: int, played: int) -> None:
+        """Moves the measured price of every width at batch ``bsz`` but the one ``played`` a
+        ``stale`` share of the way to the model's price for it, times its side's measured/model
+        ratio (``_seconds`` without the measured prices)."""
+        widths = [g for (b, g) in self.round_times if b == bsz and g != played]
+        if not widths or self.stale <= 0:
+            return
+        model = self._round_model(bsz, max(widths))
+        bucket = batch_bucket(bsz)
+        for g in widths:
+            target = float(model[g]) * self.corrections.get((bucket, g > 0), 1.0)
+            self.round_times[(bsz, g)] += self.stale * (target - self.round_times[(bsz, g)])
 
     def _count_hits(self, accepted: list[int], drafted: list[int]) -> None:
         """Survival calibration: per position k, the predicted P(draft k accepted | drafts before
