@@ -79,9 +79,7 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   keeping it plain, while a side that keeps losing costs a try in ``recheck`` rounds. Plain rounds
   themselves are never tried when the rounds were profiled, and re-tried only every ``recheck``
   rounds once their time at that batch size is measured: their tokens are certain, so a try could
-  only refresh the time. The rounds counted are all the bucket's rounds, those the engine plays
-  plain without asking the cap included (it backs off asking a cap that keeps answering 0):
-  ``try_due`` tells it when such a round is due a try of drafting.
+  only refresh the time.
 
 Knows timings and acceptance numbers only (a forward-time table, ``times.RoundTimes``); nothing
 about models, rules or caches: what times them is ``profile.py``, what feeds them per row
@@ -105,9 +103,8 @@ from components.spec.cost import ProfileTable
 class DraftLengthPolicy(Protocol):
     """What the batch engine asks of a draft-length policy, once per round: ``cap`` before
     drafting (survival [B, ≥max_cap] per speculating row; ``remaining`` tokens per row when
-    nothing waits to join), ``observe`` after every round, asked or not; ``empirical_survival``
-    for rows without fresh confidences; ``try_due`` in a round the engine would not ask the cap
-    for (it kept answering 0): whether to ask anyway (a try of drafting is due). Declared: ``adapts`` (False: the cap is always the largest, and
+    nothing waits to join), ``observe`` after the round; ``empirical_survival`` for rows
+    without fresh confidences. Declared: ``adapts`` (False: the cap is always the largest, and
     no survival estimate is wanted), ``calibrate`` (rows' estimates scaled by their own record of
     accepted against predicted drafts, ``rows.RowSurvival``)."""
 
@@ -121,8 +118,6 @@ class DraftLengthPolicy(Protocol):
 
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
                 round_seconds: float, verify_tokens: int) -> None: ...
-
-    def try_due(self, batch_size: int) -> bool: ...
 
 
 class FixedDraftLength:
@@ -141,9 +136,6 @@ class FixedDraftLength:
     def observe(self, accepted: list[int], drafted: list[int], draft_seconds: float, forward_seconds: float,
                 round_seconds: float, verify_tokens: int) -> None:
         pass
-
-    def try_due(self, batch_size: int) -> bool:
-        return False  # the cap is asked every round anyway: it never answers 0
 
 
 @dataclass
@@ -344,12 +336,6 @@ class AdaptiveDraftLength:
         self._probe = (bucket, side)
         return 1 + int(rates[1:].argmax()) if side else 0
 
-    def try_due(self, batch_size: int) -> bool:
-        """Whether a round at ``batch_size`` that the engine would not ask the cap for (the cap
-        kept answering 0, so the engine backs off asking) should be asked anyway: a try of
-        drafting is due by this bucket's round count, which counts the rounds not asked too."""
-        return self.calibrate and self._recheck_due(batch_bucket(batch_size), True)
-
     def _recheck_due(self, bucket: int, side: bool, wait: int | None = None) -> bool:
         """Whether the side not chosen is due a try: never tried (after one measured round of
         this bucket; after ``wait`` when given, its time being known), or not tried for ``wait``
@@ -380,10 +366,6 @@ class AdaptiveDraftLength:
             for k in range(min(a + 1, d)):  # positions 0..a reached; 0..a-1 accepted
                 self.reach_counts[k] += 1
                 self.accept_counts[k] += float(k < a)
-        if self.calibrate and self._last is None and not drafted:
-            # a round the engine did not ask the cap for: plain, one token a row in its pass
-            bucket = batch_bucket(max(verify_tokens, 1))
-            self.bucket_rounds[bucket] = self.bucket_rounds.get(bucket, 0) + 1
         if self.calibrate and self._last is not None:
             # against the model as updated by this round: the correction keeps only what the
             # shared terms (scale, overhead, draft time) cannot explain for this bucket and cap

@@ -118,9 +118,6 @@ class _PinnedCap:
     def observe(self, accepted: list[int], drafted: list[int], *args: Any, **kwargs: Any) -> None:
         self.drafted = sum(drafted)  # the round's drafts, over every row
 
-    def try_due(self, batch_size: int) -> bool:
-        return False  # the profiler pins the cap
-
 
 def profiled_caps(max_cap: int, gamma: int) -> list[int]:
     """The caps ``profile_round_times`` times: 0..γ, then each later stage's first and last cap."""

@@ -26,8 +26,7 @@ row's ids, deferred ones included), so an adaptive cap is priced on this round's
 that are not worth their slots (a large batch), they back off (``PreviewBackoff``). A drafter
 without previews asks the cap every round, and while the cap keeps answering 0 the asking backs
 off the same way (the cap's arithmetic costs a few percent of a step at batch 1): those rounds
-are plain, unless the policy says a try of drafting is due (``try_due``: its tries are counted in
-all rounds, not only in those it was asked in).
+are plain.
 
 A drafter declaring ``Capability.TARGET_KV`` reads the target's own K/V: each drafting row's
 state is handed views of its row of the batch's cache (``core.attach_target_kv``; ``RaggedCache``
@@ -94,9 +93,7 @@ class Drafting:
         looks = self.previews and self.backoff.due(len(rows))
         offered, blind = self._preview(rows) if looks else (0, 0)
         # a previewed round where no row has a draft to make needs no cap
-        # without previews: asked unless backing off a cap that answers 0, or when the policy's try is due
-        asks = looks and (offered or blind) if self.previews else (
-            self.quiet_caps.due(len(rows)) or self.policy.try_due(len(rows)))
+        asks = looks and (offered or blind) if self.previews else self.quiet_caps.due(len(rows))
         cap = self._cap(rows, draining) if asks else 0
         lengths = self._lengths(rows, cap)  # [B] this round's drafts per row
         if looks:

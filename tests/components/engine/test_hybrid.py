@@ -203,9 +203,6 @@ class PinnedCap:
     def observe(self, *args, **kwargs) -> None:
         pass
 
-    def try_due(self, batch_size: int) -> bool:
-        return False
-
 
 @pytest.mark.parametrize("cap", [0, 3, 6])
 def test_the_cap_bounds_suffix_rounds_as_model_rounds(tiny_target, greedy_refs, cap):

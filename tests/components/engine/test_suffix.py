@@ -464,9 +464,6 @@ class SurvivalCap:
     def observe(self, *args, **kwargs) -> None:
         pass
 
-    def try_due(self, batch_size: int) -> bool:
-        return False
-
 
 def test_the_batch_engine_prices_each_round_on_its_own_match(tiny_target, greedy_refs):
     """The batch engine asks the preview before the cap: each round's survival is its own

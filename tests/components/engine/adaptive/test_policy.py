@@ -342,23 +342,3 @@ def test_a_stalled_drafting_round_does_not_keep_its_length_out_for_good():
     assert 3 in caps[22:]
     assert 3 not in play(0.0)[21:]
 
-
-def test_rounds_the_cap_was_not_asked_in_count_toward_its_next_try():
-    """The engine stops asking a cap that keeps answering 0; the rounds it plays plain meanwhile
-    still count on the policy's clock, so a try of drafting falls due (``try_due``) after its
-    back-off in rounds, whether asked or not."""
-    unsure = torch.full((1, 3), 0.2, dtype=torch.float64).cumprod(dim=-1)
-    policy = AdaptiveDraftLength(round_time=_profile_1(per_draft=0.004))  # a draft: 0.4 of a plain token
-    assert policy.cap(unsure, 3) == 0 and not policy.try_due(1)  # no round of this batch size seen yet
-    policy.observe([], [], 0.0, 0.010, 0.010, 1)
-    assert policy.try_due(1)  # drafting never tried: due after one measured round
-    assert policy.cap(unsure, 3) > 0  # the try
-    policy.observe([0], [1], 0.001, 0.013, 0.014, 2)  # it loses
-    assert policy.cap(unsure, 3) == 0
-    policy.observe([], [], 0.0, 0.010, 0.010, 1)
-    due = []
-    for _ in range(6):  # rounds the engine plays plain without asking
-        due.append(policy.try_due(1))
-        policy.observe([], [], 0.0, 0.010, 0.010, 1)
-    assert not due[0] and any(due)  # the back-off (doubled by the lost try) runs out in skipped rounds
-    assert not AdaptiveDraftLength(round_time=_profile_1(), calibrate=False).try_due(1)

@@ -200,9 +200,6 @@ class ScriptedCap:
     def observe(self, *args, **kwargs):
         pass
 
-    def try_due(self, batch_size):
-        return False
-
 
 class ScriptedLengths(ScriptedCap):
     """Caps as ``ScriptedCap``, and a length of its own for each speculating row under them

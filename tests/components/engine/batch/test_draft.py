@@ -128,30 +128,3 @@ def test_a_cap_that_keeps_answering_zero_is_asked_less_often(tiny_target):
     engine = BatchEngine(tiny_target, random_drafter(tiny_target, "dspark"), max_batch_size=1, draft_length=drafting)
     out = engine.generate([Request(prompt, 60)])[0]
     assert out.tokens == ref and drafting.i == out.rounds  # asked every round
-
-
-def test_a_quiet_cap_is_asked_when_the_policy_says_a_try_is_due(tiny_target):
-    """The back-off from a cap answering 0 gives way to the policy's own clock: a round it says
-    is due a try (``try_due``) is asked, and the rounds skipped are the ones it did not want."""
-    from tests.components.engine.batch.test_continuous import ScriptedCap
-
-    class Due(ScriptedCap):
-        def __init__(self, every: int):
-            super().__init__([0])
-            self.every, self.skipped = every, 0
-
-        def try_due(self, batch_size):
-            self.skipped += 1
-            return self.skipped % self.every == 0
-
-    prompt = batch_prompts(tiny_target)[0]
-    ref = target_only_generate(tiny_target, prompt, 60).tokens
-    for every, most in ((1, None), (3, 30)):
-        policy = Due(every)
-        engine = BatchEngine(tiny_target, random_drafter(tiny_target, "dspark"), max_batch_size=1, draft_length=policy)
-        out = engine.generate([Request(prompt, 60)])[0]
-        assert out.tokens == ref
-        if most is None:
-            assert policy.i == out.rounds  # due every round: asked every round
-        else:
-            assert 20 <= policy.i <= most  # a third of the skipped rounds, and the back-off's own asks
