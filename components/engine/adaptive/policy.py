@@ -65,21 +65,20 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   policy chose: calibrating P(first k accepted) itself would carry the acceptance of the rows
   that happened to draft deep over to every row;
 * measured time: a (batch size, width) already played is priced at its measured round seconds
-  (running mean, drifting back toward the model's by ``stale`` a round while that width is not
-  played, so one stalled round cannot keep a width out for good); one not played yet at the
-  model's seconds times its side's measured/model ratio in the batch-size bucket (one ratio for
-  plain rounds, one for all drafting caps, each taken against the model as updated by the round,
-  so terms the model was still learning do not inflate it). Time and tokens are corrected apart
-  because one round's acceptance is far noisier than its time. The side not chosen is tried once
-  early, so a model that misprices plain rounds (or drafting) learns their real cost, and then
-  again with exponential back-off: ``min_recheck`` rounds of the bucket later, doubling while a
-  try loses (the round after it goes back to the other side) up to ``recheck``, and back to
-  ``min_recheck`` when one wins. A plain round yields no confidences, so a request that went plain
-  on one bad round sees only the acceptance seen so far; the early tries keep one bad round from
-  keeping it plain, while a side that keeps losing costs a try in ``recheck`` rounds. Plain rounds
-  themselves are never tried when the rounds were profiled, and re-tried only every ``recheck``
-  rounds once their time at that batch size is measured: their tokens are certain, so a try could
-  only refresh the time.
+  (running mean); one not played yet at the model's seconds times its side's measured/model
+  ratio in the batch-size bucket (one ratio for plain rounds, one for all drafting caps, each
+  taken against the model as updated by the round, so terms the model was still learning do
+  not inflate it). Time and tokens are corrected apart because one round's acceptance is far
+  noisier than its time. The side not chosen is tried once early, so a model that misprices
+  plain rounds (or drafting) learns their real cost, and then again with exponential back-off:
+  ``min_recheck`` rounds of the bucket later, doubling while a try loses (the round after it
+  goes back to the other side) up to ``recheck``, and back to ``min_recheck`` when one wins.
+  A plain round yields no confidences, so a request that went plain on one bad round sees only
+  the acceptance seen so far; the early tries keep one bad round from keeping it plain, while a
+  side that keeps losing costs a try in ``recheck`` rounds. Plain rounds themselves are never
+  tried when the rounds were profiled, and re-tried only every ``recheck`` rounds once their
+  time at that batch size is measured: their tokens are certain, so a try could only refresh
+  the time.
 
 Knows timings and acceptance numbers only (a forward-time table, ``times.RoundTimes``); nothing
 about models, rules or caches: what times them is ``profile.py``, what feeds them per row
@@ -169,10 +168,6 @@ class AdaptiveDraftLength:
     recheck: int = 32  # most rounds per batch-size bucket between re-tries of the side not chosen
     min_recheck: int = 2  # fewest (back-off: doubles while tries lose)
     backoff: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, G > 0) -> rounds between tries
-    # per round of a batch size that does not play a width, its measured price moves this share of
-    # the way back to the model's (as corrected for its side), so that a price a stall inflated
-    # does not keep that width out for good: unplayed, it would never be measured down again
-    stale: float = 1 / 32
     decay: float = 0.97  # per round, on the survival calibration's running sums
     corrections: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, G > 0) -> time ratio
     round_times: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, G) -> measured seconds
@@ -403,20 +398,6 @@ class AdaptiveDraftLength:
             old = table.get(key)
             value = min(value, self.spike * (model if old is None else old))
             table[key] = value if old is None else (1 - self.calibration_ema) * old + self.calibration_ema * value
-        self._relax(bsz, int(width) if width == int(width) else -1)
-
-    def _relax(self, bsz: int, played: int) -> None:
-        """Moves the measured price of every width at batch ``bsz`` but the one ``played`` a
-        ``stale`` share of the way to the model's price for it, times its side's measured/model
-        ratio (``_seconds`` without the measured prices)."""
-        widths = [g for (b, g) in self.round_times if b == bsz and g != played]
-        if not widths or self.stale <= 0:
-            return
-        model = self._round_model(bsz, max(widths))
-        bucket = batch_bucket(bsz)
-        for g in widths:
-            target = float(model[g]) * self.corrections.get((bucket, g > 0), 1.0)
-            self.round_times[(bsz, g)] += self.stale * (target - self.round_times[(bsz, g)])
 
     def _count_hits(self, accepted: list[int], drafted: list[int]) -> None:
         """Survival calibration: per position k, the predicted P(draft k accepted | drafts before

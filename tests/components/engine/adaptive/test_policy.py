@@ -309,36 +309,3 @@ def test_a_stalled_pass_moves_a_price_no_more_than_a_slow_round():
         policy.observe([], [], 0.0, 10 * before, 10 * before, 8)
         climb = 1 - policy.calibration_ema + policy.calibration_ema * policy.spike
         assert policy.round_times[(8, 0)] <= before * climb + 1e-12
-
-
-
-def _profile_1(per_draft: float = 0.001):
-    """A round profile at batch 1 (``RoundTimes``): 10 ms plain, ``per_draft`` seconds more per draft."""
-    from components.engine.adaptive.times import RoundTimes
-
-    return RoundTimes([1], torch.tensor([[0.010 + per_draft * g for g in range(4)]], dtype=torch.float64))
-
-
-def test_a_stalled_drafting_round_does_not_keep_its_length_out_for_good():
-    """Caps 2 and 3 are both measured at their real prices (12 and 13 ms), then a round at cap
-    3 stalls: its measured price (at most ``spike`` times its mean) makes cap 2 the better choice,
-    and cap 3, no longer played, would never be measured down again. Unplayed, its price drifts
-    back toward the model's (``stale``), and cap 3 is chosen again; with ``stale`` 0 it never is."""
-    def survival(third: float) -> torch.Tensor:  # [1, 3]; cap 3 pays at its real price iff third is high
-        return torch.tensor([[0.9, 0.81, third]], dtype=torch.float64)
-
-    def play(stale: float) -> list[int]:
-        policy, caps = AdaptiveDraftLength(round_time=_profile_1(), stale=stale), []
-        for i in range(110):
-            cap = policy.cap(survival(0.037 if i < 10 else 0.41), 3)
-            caps.append(cap)
-            seconds = (0.010 + 0.001 * cap) * (10 if i == 20 else 1)  # round 20 stalls
-            # its time only (no rows' acceptance: the survival calibration stays out of it)
-            policy.observe([], [], 0.001, seconds - 0.001, seconds, cap + 1)
-        return caps
-
-    caps = play(1 / 32)
-    assert set(caps[:10]) == {2} and set(caps[10:21]) == {3} and caps[21] == 2  # the stall's price
-    assert 3 in caps[22:]
-    assert 3 not in play(0.0)[21:]
-
