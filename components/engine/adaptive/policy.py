@@ -75,10 +75,12 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   goes back to the other side) up to ``recheck``, and back to ``min_recheck`` when one wins.
   A plain round yields no confidences, so a request that went plain on one bad round sees only
   the acceptance seen so far; the early tries keep one bad round from keeping it plain, while a
-  side that keeps losing costs a try in ``recheck`` rounds. Plain rounds themselves are never
-  tried when the rounds were profiled, and re-tried only every ``recheck`` rounds once their
-  time at that batch size is measured: their tokens are certain, so a try could only refresh
-  the time.
+  side that keeps losing costs a try in ``recheck`` rounds. Plain rounds themselves are tried
+  only until their time at that batch size is measured when the rounds were profiled (a profile
+  is measured once per host, and the host may have run at another speed then: a plain round
+  priced at the profile's time while the drafting rounds are measured makes drafting look
+  cheap), and re-tried only every ``recheck`` rounds once measured otherwise: their tokens are
+  certain, so a try could only refresh the time.
 
 Knows timings and acceptance numbers only (a forward-time table, ``times.RoundTimes``); nothing
 about models, rules or caches: what times them is ``profile.py``, what feeds them per row
@@ -313,9 +315,10 @@ class AdaptiveDraftLength:
         """The best cap by ``rates`` [G+1], or the other side's best when a try of it is due;
         settles last round's try first (won: tries as often as ``min_recheck``; lost: half as
         often, down to one in ``recheck``). A plain round teaches nothing but its time (its
-        tokens are certain): with a profile (``round_time``) plain is never tried, only chosen;
-        at a batch size where its time was measured, it is re-tried only every ``recheck``
-        rounds."""
+        tokens are certain): with a profile (``round_time``) plain is tried until its time at
+        this batch size is measured once (the profile may come from an hour when the host ran
+        at another speed), then only chosen; without one, once measured, it is re-tried only
+        every ``recheck`` rounds."""
         bucket, best = batch_bucket(bsz), int(rates.argmax())
         if self._probe is not None and self._probe[0] == bucket:
             won = self._probe[1] == (best > 0)
@@ -323,9 +326,9 @@ class AdaptiveDraftLength:
             self.backoff[self._probe] = self.min_recheck if won else min(2 * wait, self.recheck)
         self._probe = None
         side = not best > 0
-        if not side and self.round_time is not None:
-            return best  # plain rounds were timed in the profile, and their tokens are certain
         known = not side and (bsz, 0) in self.round_times
+        if not side and self.round_time is not None and known:
+            return best  # plain rounds' time measured here, and their tokens are certain
         if not self._recheck_due(bucket, side, self.recheck if known else None):
             return best
         self._probe = (bucket, side)

@@ -246,9 +246,11 @@ def test_a_ragged_round_is_measured_at_its_own_width():
     policy.observe([3], [4], 0.0, seconds, seconds, 8 * 5)
     assert policy.round_times == {} and abs(policy.corrections[(8, True)] - 1.0) < 1e-9
     every = torch.full((8, GAMMA), 0.95, dtype=torch.float64).cumprod(dim=-1)
+    assert policy.cap(every, GAMMA) == 0  # plain, tried once: its time here, not the profile's
+    policy.observe([], [], 0.0, 0.024, 0.024, 8)
     cap = policy.cap(every, GAMMA)
     policy.observe([cap] * 8, [cap] * 8, 0.0, 0.05, 0.05, 8 * (cap + 1))
-    assert policy.round_times == {(8, cap): 0.05}
+    assert cap > 0 and policy.round_times == {(8, 0): 0.024, (8, cap): 0.05}
 
 
 def test_a_ragged_batch_drafts_only_the_rows_whose_drafts_pay():
@@ -309,3 +311,26 @@ def test_a_stalled_pass_moves_a_price_no_more_than_a_slow_round():
         policy.observe([], [], 0.0, 10 * before, 10 * before, 8)
         climb = 1 - policy.calibration_ema + policy.calibration_ema * policy.spike
         assert policy.round_times[(8, 0)] <= before * climb + 1e-12
+
+
+def test_a_profile_from_a_slower_hour_is_corrected_by_one_plain_round():
+    """The profile (measured once per host) prices a plain round at 10 ms and 3 drafts at 13 ms;
+    today a plain round takes 5 ms and the drafts as profiled. At the profile's prices 3 drafts
+    pay, at today's they do not. Plain is tried in the first rounds, once, and its measured time
+    turns the policy plain (apart from its backed-off tries of drafting); not trying it would
+    have drafted every round, plain never measured."""
+    from components.engine.adaptive.times import RoundTimes
+
+    profile = RoundTimes([1], torch.tensor([[0.010, 0.011, 0.012, 0.013]], dtype=torch.float64))
+    policy, caps = AdaptiveDraftLength(round_time=profile), []
+    confident = torch.tensor([[0.6, 0.36, 0.216]], dtype=torch.float64)  # 2.18 tokens at cap 3
+    for _ in range(80):
+        cap = policy.cap(confident, 3)
+        caps.append(cap)
+        seconds = 0.005 if cap == 0 else 0.010 + 0.001 * cap
+        accepted = [round(float(confident[0, :cap].sum()))] if cap else []
+        policy.observe(accepted, [cap] if cap else [], 0.001 if cap else 0.0, seconds, seconds, cap + 1)
+    assert caps[0] == 3 and 0 in caps[1:3]  # drafting at the profile's prices, then the plain try
+    assert abs(policy.round_times[(1, 0)] - 0.005) < 1e-12
+    assert caps[10:].count(0) >= 0.8 * len(caps[10:])
+
