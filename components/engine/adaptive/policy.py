@@ -75,12 +75,12 @@ profile misses), so with ``calibrate`` (default) the policy checks itself in two
   goes back to the other side) up to ``recheck``, and back to ``min_recheck`` when one wins.
   A plain round yields no confidences, so a request that went plain on one bad round sees only
   the acceptance seen so far; the early tries keep one bad round from keeping it plain, while a
-  side that keeps losing costs a try in ``recheck`` rounds. Plain rounds themselves are tried
-  only until their time at that batch size is measured when the rounds were profiled (a profile
-  is measured once per host, and the host may have run at another speed then: a plain round
-  priced at the profile's time while the drafting rounds are measured makes drafting look
-  cheap), and re-tried only every ``recheck`` rounds once measured otherwise: their tokens are
-  certain, so a try could only refresh the time.
+  side that keeps losing costs a try in ``recheck`` rounds. Plain rounds themselves: where the
+  rounds were profiled, they are tried only until their time at that batch size has been
+  measured once (the profile is timed once per host, and the host may have run at another speed
+  then: a plain round priced at the profile's time, while drafting rounds are priced at their
+  measured time, makes drafting look cheap); without a profile, once measured, they are re-tried
+  only every ``recheck`` rounds. Their tokens are certain, so a try could only refresh the time.
 
 Knows timings and acceptance numbers only (a forward-time table, ``times.RoundTimes``); nothing
 about models, rules or caches: what times them is ``profile.py``, what feeds them per row
