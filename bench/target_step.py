@@ -105,16 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         floor = {name: median_ms(lambda b=b: b.sum(), args.reps) for name, b in blocks.items()}
         sgemm = 2 * 1024 ** 3 / median_ms(lambda: square @ square, args.reps) / 1e6  # GFLOP/s of a large sgemm
         flops = best.fma_rate(threads)  # the vector units' own ceiling
-        rows: dict[int, dict[str, float]] = {}
-        for k in ks:
-            times: dict[str, list[float]] = {name: [] for name in targets}
-            for _ in range(args.reps):  # interleaved
-                for name in targets:
-                    times[name].append(median_ms(lambda k=k, name=name: run_pass(name, k), 1))
-            rows[k] = {name: statistics.median(t) for name, t in times.items()}
-            for _ in range(3):  # the blocks' weights back in the caches, then its passes alone
-                run_pass("blocks", k)
-            rows[k]["alone"] = median_ms(lambda k=k: run_pass("blocks", k), args.reps)
+        rows = _timed(list(targets), ks, args.reps, run_pass)
         first = rows[ks[0]]
         for k in ks:
             r = rows[k]
@@ -127,6 +118,22 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['alone'] / first['alone']:.2f} | {r['fast'] / r['blocks']:.2f}x | "
                   f"{r['hf'] / r['blocks']:.2f}x |" + "".join(f" {r[f'blocks {isa}'] / r['blocks']:.2f}x |" for isa in others),
                   flush=True)
+
+
+def _timed(names: list[str], ks: list[int], reps: int, run_pass: Any) -> dict[int, dict[str, float]]:
+    """Per k: each step's median ms over ``reps`` passes, the steps interleaved, and the blocks
+    step's alone (``"alone"``: its passes one after another, after three to warm it again)."""
+    rows: dict[int, dict[str, float]] = {}
+    for k in ks:
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(reps):  # interleaved
+            for name in names:
+                times[name].append(median_ms(lambda k=k, name=name: run_pass(name, k), 1))
+        rows[k] = {name: statistics.median(t) for name, t in times.items()}
+        for _ in range(3):  # the blocks' weights back in the caches, then its passes alone
+            run_pass("blocks", k)
+        rows[k]["alone"] = median_ms(lambda k=k: run_pass("blocks", k), reps)
+    return rows
 
 
 def _steps(hf: Any, cfg: TargetConfig) -> tuple[dict[str, StepTarget], RowsGemm, list[str]]:

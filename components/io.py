@@ -1,13 +1,14 @@
-"""Atomic artifact directories: write everything into a temporary sibling, then rename.
+"""Atomic artifacts: write everything into a temporary sibling, then rename.
 
-A crash (or Ctrl-C) while writing never leaves a half-written directory at the final path, and
-an existing directory is replaced only once the new one is complete. Knows files, JSON and
+A crash (or Ctrl-C) while writing never leaves a half-written file or directory at the final
+path, and an existing one is replaced only once the new one is complete. Knows files, JSON and
 safetensors; nothing about what the tensors mean.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -29,6 +30,14 @@ def replace_dir(tmp: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(path)
+
+
+def write_text(path: Path, text: str) -> None:
+    """``text`` at ``path`` (parents made), written to a temporary sibling and renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def write_checkpoint_dir(path: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import time
 from collections import Counter
@@ -45,6 +44,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from components.config import PromptBankConfig
+from components.io import write_text
 from components.target import corpus as corpus_mod
 from components.target.hfbars import no_hf_bars
 from components.target.tokenizer import stop_token_ids
@@ -167,20 +167,7 @@ def grow_pool(pool: dict[str, Any], sampler: Sampler, cfg: PromptBankConfig, pro
 
 # ----------------------------------------------------------------------------- the bank
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, obj: Any, indent: int | None = None) -> None:
-    """``obj`` as JSON at ``path``, written to a temporary name and renamed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=indent))
-    os.replace(tmp, path)
+    write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def bank_settings(cfg: PromptBankConfig) -> dict[str, Any]:
@@ -233,7 +220,7 @@ def ensure_prompt_bank(target_dir: Path, cfg: PromptBankConfig, corpus_cache: Pa
     if sampled_before < cfg.questions:
         path, settings = pool_path(target_dir, cfg), pool_settings(cfg)
         pool = grow_pool(pool, sampler or model_sampler(target_dir, cfg), cfg, progress,
-                         save=lambda grown: _write_json(path, {"settings": settings, **grown}))
+                         save=lambda grown: write_text(path, json.dumps({"settings": settings, **grown})))
     questions = pool["questions"][: cfg.questions]  # in the order sampled: a prefix of any larger bank
     sides = {"train": [(i, q) for i, q in enumerate(questions) if not is_heldout_question(q, cfg.heldout_fraction)],
              "heldout": [(i, q) for i, q in enumerate(questions) if is_heldout_question(q, cfg.heldout_fraction)]}
@@ -249,5 +236,5 @@ def ensure_prompt_bank(target_dir: Path, cfg: PromptBankConfig, corpus_cache: Pa
             "documents": {"train": len(train_docs), "heldout": len(heldout_docs)},
             "corpus_fingerprint": corpus_mod.corpus_fingerprint(docs),
             "examples": [q for _, q in sides["train"][:5]], "seconds": time.perf_counter() - t0}
-    _write_json(target_dir / INFO_FILE, info, indent=2)
+    write_text(target_dir / INFO_FILE, json.dumps(info, indent=2))
     return info, True

@@ -58,6 +58,7 @@ from components.engine.batch.continuous import BatchEngine
 from components.engine.batch.state import Request
 from components.engine.core import sync_device
 from components.engine.settings import EngineSettings, resolve_settings
+from components.io import write_text
 from components.spec.cost import ProfileTable
 from components.target.kernels import cpuinfo
 
@@ -280,8 +281,5 @@ def stored_round_times(profile_dir: str | Path, target: Any, drafter: Any,
     if notice is not None:
         notice(path)
     times = profile_round_times(target, drafter, batch_sizes, settings, context, rounds, seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"key": key, **times.to_dict()}, indent=1))
-    os.replace(tmp, path)
+    write_text(path, json.dumps({"key": key, **times.to_dict()}, indent=1))
     return StoredProfile(times, path, False)
